@@ -1,0 +1,74 @@
+"""`draftsmith <stage> --recipe R [key=value ...]`. No logic of its own: parse, then call the stage."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from draftsmith import artifacts, recipe as recipe_mod
+
+STAGES = {
+    "target": "build the embedded default target (tiny Llama + BPE tokenizer trained on stdlib source); "
+              "for a real model this only checks that target.model loads",
+    "data": "render conversations with the target's chat template into tokens + assistant-only loss masks "
+            "(--regen: first replace assistant turns with the target's own answers)",
+    "capture": "run the frozen target and store the hidden states the head needs in a sharded, resumable store "
+               "(--dry-run: print the projected size; --verify: check every shard's checksum)",
+    "train": "train the head with the one trainer (resumes from the last complete checkpoint)",
+    "validate": "run tree-verified speculative decoding with the head: tau, acceptance per depth, exactness, speedup",
+    "export": "write the validated head in an engine's format (--to sglang|vllm|speculators)",
+    "run": "every stage in order, skipping those whose manifest matches the recipe",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description="Train, validate and export speculative-decoding draft heads.")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="stage")
+    for name, help_text in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--recipe", required=name != "validate" and name != "export", help="recipe YAML (recipes/<target>/<head>.yaml)")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-4")
+        if name == "data":
+            p.add_argument("--regen", action="store_true", help="regenerate assistant turns with the target first")
+        if name == "capture":
+            p.add_argument("--dry-run", action="store_true", help="print the projected store size and exit")
+            p.add_argument("--verify", action="store_true", help="check every shard against the manifest")
+        if name == "validate":
+            p.add_argument("--head", help="a checkpoint or exported directory (default: <run>/head)")
+            p.add_argument("--target", help="target model directory or hub id (default: the recipe's)")
+            p.add_argument("--out", help="output directory (default: <run>/validate)")
+        if name == "export":
+            p.add_argument("--head", help="checkpoint directory (default: <run>/head)")
+            p.add_argument("--to", dest="engine", choices=["sglang", "vllm", "speculators"], help="engine format")
+            p.add_argument("--out", help="output directory (default: <run>/export/<engine>)")
+            p.add_argument("--allow-unvalidated", action="store_true", help="export without a passing validation.json")
+    return parser
+
+
+def _load(args) -> recipe_mod.Recipe:
+    recipe = recipe_mod.load(args.recipe, args.overrides)
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    (recipe.run_dir / "recipe.yaml").write_text(recipe_mod.dump(recipe))
+    return recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.stage in ("validate", "export") and not args.recipe:
+            recipe = None
+        else:
+            recipe = _load(args)
+        from draftsmith import stages
+        result = stages.dispatch(args.stage, recipe, args)
+    except (ValueError, FileNotFoundError) as exc:  # user-caused: RecipeError, ArtifactError, DataError...
+        print(f"draftsmith {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(json.dumps(result, indent=2, default=str) if not isinstance(result, str) else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

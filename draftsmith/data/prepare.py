@@ -1,0 +1,139 @@
+"""The data stage: sources -> (optional regeneration) -> tokens + loss masks as an Arrow dataset."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from tqdm import tqdm
+
+from draftsmith import artifacts
+from draftsmith.data import conversations as conv
+from draftsmith.data import stdlib
+from draftsmith.recipe import Recipe
+
+
+def data_dir(recipe: Recipe) -> Path:
+    return recipe.run_dir / "data"
+
+
+def inputs_hash(recipe: Recipe) -> str:
+    return recipe.section_hash("target", "data")
+
+
+def _split_heldout(rid: str, fraction: float) -> bool:
+    return int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[dict], int]:
+    """Read every source; return (train conversations, held-out conversations, records read)."""
+    cfg = recipe.data
+    train, heldout, num_read = [], [], 0
+    if cfg.builtin == "stdlib":
+        for module in stdlib.list_modules():
+            items = stdlib.function_conversations(module)
+            num_read += len(items)
+            (heldout if stdlib.is_heldout(module.name, cfg.heldout_fraction) else train).extend(items)
+    elif cfg.builtin is not None:
+        raise ValueError(f"data.builtin={cfg.builtin!r}: the only builtin set is 'stdlib'")
+    for index, source in enumerate(cfg.sources):
+        for where, record in conv.read_records(source.path, cfg.bad_lines, skips):
+            num_read += 1
+            try:
+                item = conv.normalize(record, where)
+            except conv.DataError:
+                if cfg.bad_lines == "fail":
+                    raise
+                skips.skip("bad_record", where)
+                continue
+            (heldout if _split_heldout(item["id"], cfg.heldout_fraction) else train).append(item)
+    num_read += skips.reasons["malformed_json"]  # lines that never became a record
+    if cfg.max_conversations is not None:
+        rng = random.Random(recipe.seed)
+        rng.shuffle(train)
+        train = train[:cfg.max_conversations]
+    return train, heldout, num_read
+
+
+def encode_all(recipe: Recipe, tokenizer, items: list[dict], skips: conv.SkipCounter) -> dict:
+    """Tokenize and mask; apply the max-length policy; count every drop by reason."""
+    cfg = recipe.data
+    columns = {"id": [], "input_ids": [], "loss_mask": []}
+    for item in tqdm(items, desc="data", unit="conv", mininterval=1.0):
+        if "messages" in item and not any(m["role"] == "assistant" for m in item["messages"]):
+            skips.skip("no_assistant_turn", item["id"])
+            continue
+        try:
+            ids, mask = conv.encode_conversation(tokenizer, item, cfg.system_prompt)
+        except conv.DataError:
+            skips.skip("template_mismatch", item["id"])
+            continue
+        if len(ids) > cfg.max_length:
+            if cfg.overflow == "drop":
+                skips.skip("too_long", item["id"])
+                continue
+            ids, mask = ids[:cfg.max_length], mask[:cfg.max_length]
+        if sum(mask) == 0:
+            skips.skip("no_loss_tokens", item["id"])
+            continue
+        columns["id"].append(item["id"])
+        columns["input_ids"].append(ids)
+        columns["loss_mask"].append(mask)
+    return columns
+
+
+def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
+    """Build `<run>/data/`: `train` Arrow dataset, `heldout.jsonl` prompts, manifest."""
+    import datasets
+    from draftsmith.data.target import load_tokenizer, target_fingerprint
+    tokenizer = load_tokenizer(recipe)
+    conv.check_tokenizer(tokenizer, f"target.model={recipe.target.model!r}")
+    skips = conv.SkipCounter()
+    train, heldout, num_read = collect(recipe, skips)
+    out = data_dir(recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    regen_counts = None
+    if regen if regen is not None else recipe.data.regen.enabled:
+        from draftsmith.data.regen import regenerate
+        train, regen_counts = regenerate(recipe, tokenizer, train, out / "regen.jsonl")
+    columns = encode_all(recipe, tokenizer, train, skips)
+    with artifacts.atomic_path(out / "train") as tmp:
+        datasets.Dataset.from_dict(columns).save_to_disk(str(tmp))
+        _remove(out / "train")
+    with artifacts.atomic_path(out / "heldout.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(item) + "\n" for item in heldout))
+    num_tokens = sum(map(len, columns["input_ids"]))
+    num_loss = sum(map(sum, columns["loss_mask"]))
+    manifest = artifacts.write_manifest(
+        out, "data", inputs_hash(recipe), target_id=recipe.target.model,
+        target_fingerprint=target_fingerprint(recipe.target.model), template_hash=conv.template_hash(tokenizer),
+        num_records_read=num_read, num_train_conversations=len(columns["id"]),
+        num_heldout_conversations=len(heldout), num_tokens=num_tokens, num_loss_tokens=num_loss,
+        num_skipped=dict(skips.reasons), skip_examples=skips.examples, regeneration=regen_counts,
+        max_length=recipe.data.max_length, overflow=recipe.data.overflow)
+    return manifest
+
+
+def _remove(path: Path) -> None:
+    import shutil
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def load_train(recipe: Recipe):
+    """The data stage's dataset, after checking its manifest belongs to this recipe's target."""
+    import datasets
+    from draftsmith.data.target import target_fingerprint
+    manifest = artifacts.read_manifest(data_dir(recipe), "data")
+    artifacts.check_upstream(manifest, {"target_id": recipe.target.model,
+                                        "target_fingerprint": target_fingerprint(recipe.target.model)},
+                             f"{data_dir(recipe)}")
+    return datasets.load_from_disk(str(data_dir(recipe) / "train")), manifest
+
+
+def load_heldout(recipe: Recipe) -> list[dict]:
+    path = data_dir(recipe) / "heldout.jsonl"
+    if not path.exists():
+        raise artifacts.ArtifactError(f"{path} does not exist; run `draftsmith data` first")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,234 @@
+"""The target model: loading any Hugging Face causal LM, and building the embedded default
+(a tiny Llama plus byte-level BPE tokenizer trained on CPU on the stdlib's source)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith import artifacts
+from draftsmith.data import stdlib
+from draftsmith.recipe import EmbeddedTargetConfig, Recipe
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA (speed) and fp32 on CPU (exactness)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def target_fingerprint(model: str) -> str:
+    """Cheap identity of a model directory: config plus names and sizes of its weight files."""
+    path = Path(model)
+    if not path.is_dir():
+        return hashlib.sha256(model.encode()).hexdigest()[:16]
+    digest = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").exists() else b"")
+    for weight in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        digest.update(f"{weight.name}:{weight.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+def check_model_path(model: str, key: str = "target.model") -> None:
+    looks_local = model.startswith((".", "/", "runs")) or Path(model).exists()
+    if looks_local and not (Path(model) / "config.json").exists():
+        raise ValueError(f"{key}={model!r}: no model directory with a config.json there "
+                         f"(for the embedded default run `draftsmith target --recipe ...` first)")
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+    check_model_path(recipe.target.model)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    if recipe.target.chat_template:
+        tokenizer.chat_template = recipe.target.chat_template
+    return tokenizer
+
+
+def load_target(recipe: Recipe, device: torch.device | None = None):
+    """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention."""
+    from transformers import AutoModelForCausalLM
+    check_model_path(recipe.target.model)
+    device = device or pick_device()
+    model = AutoModelForCausalLM.from_pretrained(
+        recipe.target.model, dtype=resolve_dtype(recipe.target.dtype, device), attn_implementation="sdpa")
+    model.requires_grad_(False)
+    return model.eval().to(device)
+
+
+# ---------------------------------------------------------------- the embedded default
+
+def _corpus(cfg: EmbeddedTargetConfig, heldout_fraction: float) -> tuple[list[str], list[str]]:
+    """Raw module sources and chat-form conversations, split by module into train and held-out."""
+    rng = random.Random(cfg.seed)
+    train, heldout, budget = [], [], cfg.corpus_mb * 1e6
+    modules = stdlib.list_modules()
+    rng.shuffle(modules)
+    for module in modules:
+        text = stdlib.read_source(module)
+        if not text:
+            continue
+        target = heldout if stdlib.is_heldout(module.name, heldout_fraction) else train
+        if target is train and sum(map(len, train)) > budget:
+            continue
+        target.append(text)
+        for conv in stdlib.function_conversations(module):
+            if rng.random() < cfg.chat_fraction:
+                target.append(conv)
+    return train, heldout
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:], chat_template=DEMO_CHAT_TEMPLATE,
+        model_max_length=1 << 20)
+
+
+def _encode_stream(tokenizer, items: list) -> torch.Tensor:
+    ids = []
+    for item in items:
+        if isinstance(item, dict):
+            ids += tokenizer.apply_chat_template(item["messages"], tokenize=True, return_dict=False)
+        else:
+            ids += [tokenizer.bos_token_id] + tokenizer(item, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _heldout_loss(model, stream: torch.Tensor, seq_len: int, num_windows: int = 24) -> float:
+    gen = torch.Generator().manual_seed(1234)
+    starts = torch.randint(0, len(stream) - seq_len - 1, (num_windows,), generator=gen)
+    batch = torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
+    with torch.no_grad():
+        return model(input_ids=batch, labels=batch).loss.item()
+
+
+def build_embedded_target(recipe: Recipe, out_dir: str | Path, heldout_fraction: float = 0.1) -> dict:
+    """Train the tiny Llama on stdlib source for a time budget; save like any hub model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = recipe.target.embedded
+    torch.manual_seed(cfg.seed)
+    train_items, heldout_items = _corpus(cfg, heldout_fraction)
+    tokenizer = _train_tokenizer([t if isinstance(t, str) else t["messages"][1]["content"] for t in train_items],
+                                 cfg.vocab_size)
+    train_stream = _encode_stream(tokenizer, train_items)
+    heldout_stream = _encode_stream(tokenizer, [t for t in heldout_items if isinstance(t, str)])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, rope_theta=10000.0)
+    model = LlamaForCausalLM(config)
+    steps, seconds = _train_lm(model, train_stream, cfg)
+    model.eval()
+    loss = _heldout_loss(model, heldout_stream, cfg.seq_len)
+    out_dir = Path(out_dir)
+    with artifacts.atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            import shutil
+            shutil.rmtree(out_dir)
+    sample = greedy_sample(model, tokenizer, heldout_items)
+    report = {"target_id": str(out_dir), "fingerprint": target_fingerprint(str(out_dir)),
+              "num_parameters": sum(p.numel() for p in model.parameters()), "train_steps": steps,
+              "train_seconds": round(seconds, 1), "train_tokens": steps * cfg.batch_size * cfg.seq_len,
+              "heldout_loss": round(loss, 4), "heldout_perplexity": round(math.exp(loss), 3),
+              "sample_prompt": sample[0], "sample_continuation": sample[1]}
+    artifacts.write_manifest(out_dir, "target", recipe.section_hash("target"), **report)
+    return report
+
+
+def _train_lm(model, stream: torch.Tensor, cfg: EmbeddedTargetConfig) -> tuple[int, float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start, step = time.perf_counter(), 0
+    bar = tqdm(total=int(cfg.train_seconds), desc="target", unit="s", mininterval=2.0, bar_format="{l_bar}{bar}| {n}/{total}s {postfix}")
+    model.train()
+    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) < cfg.train_seconds:
+        # cosine decay over the time budget, since the step count is not known in advance
+        lr = cfg.lr * (min(1.0, (step + 1) / 50)) * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / cfg.train_seconds)))
+        for group in optimizer.param_groups:
+            group["lr"] = max(lr, cfg.lr * 0.05)
+        starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+        batch = torch.stack([stream[s:s + cfg.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.n = min(int(elapsed), bar.total)
+        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", refresh=False)
+    bar.close()
+    return step, time.perf_counter() - start
+
+
+def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 48) -> tuple[str, str]:
+    """Greedy continuation of the first lines of a held-out module, to eyeball that it is Python."""
+    text = next(t for t in heldout_items if isinstance(t, str) and len(t) > 400)
+    prompt = "\n".join(text.splitlines()[:12])[:600]
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return prompt, tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def target_report(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / artifacts.MANIFEST).read_text())
+
+
+def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding, lm_head) weights alone, read from the weight files without loading the model.
+
+    Parameter names come from instantiating the architecture on the meta device, so this works for
+    any causal LM whose weights are safetensors; tied heads return the embedding twice."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    check_model_path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    names = {id(p): n for n, p in meta.named_parameters(remove_duplicate=False)}
+    embed_name = names[id(meta.get_input_embeddings().weight)]
+    head_name = names[id(meta.get_output_embeddings().weight)]
+    wanted = {embed_name: None, head_name: None}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in wanted:
+                if name in handle.keys():
+                    wanted[name] = handle.get_tensor(name)
+    if wanted[head_name] is None and getattr(config.get_text_config(), "tie_word_embeddings", False):
+        wanted[head_name] = wanted[embed_name]
+    missing = [n for n, t in wanted.items() if t is None]
+    if missing:
+        raise ValueError(f"{model_dir}: weight files lack {missing} (needed for the head's embedding and teacher)")
+    return wanted[embed_name], wanted[head_name]

@@ -1,0 +1,167 @@
+"""EAGLE-3 draft head, built to the published layout so exported weights load in SGLang and vLLM.
+
+    h0      = fc(cat(f_low, f_mid, f_high))                     (3·H_target -> H, no bias)
+    x       = cat(input_layernorm(embed(tok)), hidden_norm(h))  (width 2H, attention input)
+    h       = h + o_proj(attn(x)) ; h = h + mlp(post_attention_layernorm(h))
+    logits  = lm_head(norm(h))                                  (draft vocabulary only)
+    the un-normed h is the next step's hidden state.
+
+Tensor names: fc.weight, midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+hidden_norm, input_layernorm, post_attention_layernorm}.weight, norm.weight, lm_head.weight, d2t, t2d.
+The target's embedding is held frozen and never saved.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from draftsmith.heads.eagle3.loss import ttt_loss
+from draftsmith.heads.registry import register
+
+
+def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],
+                             intermediate_size: int | None = None) -> dict:
+    """The head's HF-style config, sized from the target (Llama, Qwen2/3, Mistral...)."""
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": t.hidden_size, "target_hidden_size": t.hidden_size,
+        "intermediate_size": intermediate_size or t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        "num_hidden_layers": 1, "rms_norm_eps": t.rms_norm_eps, "hidden_act": getattr(t, "hidden_act", "silu"),
+        "max_position_embeddings": t.max_position_embeddings, "rope_theta": rope_theta, "rope_scaling": scaling,
+        "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+        "bos_token_id": getattr(t, "bos_token_id", None), "eos_token_id": getattr(t, "eos_token_id", None),
+        "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer"},
+    }
+
+
+def _llama_config(cfg: dict) -> LlamaConfig:
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if cfg.get("rope_scaling"):
+        rope = {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
+        rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    return LlamaConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                       num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+                       head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], hidden_act=cfg["hidden_act"],
+                       max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+                       rope_parameters=rope, num_hidden_layers=1)
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v read the 2H-wide input; the actual attention is delegated to `attend`, so training
+    (training-time-test pattern) and the runtime (KV cache + tree mask) share these weights."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        width = 2 * cfg["hidden_size"]
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg["hidden_size"], bias=False)
+
+    def forward(self, x_BTW, cos, sin, attend):
+        B, T, _ = x_BTW.shape
+        q = self.q_proj(x_BTW).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BTW).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BTW).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out_BhTd = attend(q, k, v)
+        return self.o_proj(out_BhTd.transpose(1, 2).reshape(B, T, -1))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        eps = cfg["rms_norm_eps"]
+        self.hidden_norm = LlamaRMSNorm(cfg["hidden_size"], eps)
+        self.input_layernorm = LlamaRMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(_llama_config(cfg))
+
+    def forward(self, emb_BTH, h_BTH, cos, sin, attend):
+        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(h_BTH)], dim=-1)
+        h = h_BTH + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@register("eagle3")
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 head. `config` is the HF-style dict from `draft_config_from_target`."""
+
+    def __init__(self, config: dict, ttt_steps: int = 7, loss_decay: float = 0.8):
+        super().__init__()
+        self.config, self.ttt_steps, self.loss_decay = config, ttt_steps, loss_decay
+        H, V, Vd = config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]
+        num_aux = len(config["draftsmith"]["layer_ids"])
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(num_aux * config["target_hidden_size"], H, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.rotary = LlamaRotaryEmbedding(_llama_config(config))
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+
+    @classmethod
+    def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle3Head":
+        config = draft_config_from_target(target_config, head_cfg.draft_vocab_size, layer_ids, head_cfg.intermediate_size)
+        return cls(config, head_cfg.ttt_steps, head_cfg.loss_decay)
+
+    @staticmethod
+    def capture_layers(num_target_layers: int) -> list[int]:
+        return [2, num_target_layers // 2, num_target_layers - 3]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def load_target_embedding(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+
+    def rope(self, x, position_ids_BT):
+        return self.rotary(x, position_ids_BT)
+
+    def step(self, token_ids_BT, h_BTH, position_ids_BT, attend):
+        """One draft step: returns the un-normed hidden (next step's input)."""
+        emb = self.embed_tokens(token_ids_BT).to(h_BTH.dtype)
+        cos, sin = self.rope(h_BTH, position_ids_BT)
+        return self.midlayer(emb, h_BTH, cos, sin, attend)
+
+    def logits(self, h_BTH):
+        return self.lm_head(self.norm(h_BTH))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def loss(self, batch: dict):
+        """Training-time test over `ttt_steps` unrolled steps; see loss.py."""
+        return ttt_loss(self, batch)
+
+    forward = loss  # DDP/FSDP/DeepSpeed hook into forward, so the loss is the forward
+
+    def draft_config(self) -> dict:
+        return dict(self.config)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}
+        return state
+
+
+
+def causal_attend(q, k, v):
+    """Plain causal attention (SDPA) with grouped KV heads; used for simple forwards and tests."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

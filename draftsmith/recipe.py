@@ -1,0 +1,305 @@
+"""Recipes: one strict dataclass tree per (target, head), loaded from YAML.
+
+Unknown keys and wrong types are errors that name the key path. Any field can be
+overridden as a dotted ``section.field=value`` string (the value is parsed as YAML).
+This module imports nothing of draftsmith's own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe file or override that does not fit the schema."""
+
+
+@dataclass
+class EmbeddedTargetConfig:
+    """Shape and budget of the tiny Llama that `draftsmith target` trains on stdlib source."""
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 2048
+    seq_len: int = 256
+    batch_size: int = 16
+    lr: float = 1.5e-3
+    train_seconds: float = 240.0
+    max_steps: int = 100000
+    corpus_mb: float = 6.0
+    chat_fraction: float = 0.3
+    seed: int = 0
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model: a local directory or a hub id (`embedded` builds the demo one)."""
+    model: str = ""
+    embedded: EmbeddedTargetConfig | None = None
+    dtype: str = "auto"
+    chat_template: str | None = None
+
+
+@dataclass
+class DataSource:
+    path: str = ""
+    format: str = "auto"
+    split: str = "train"
+
+
+@dataclass
+class RegenConfig:
+    enabled: bool = False
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    temperature: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """Conversations in, tokens plus assistant-only loss masks out."""
+    sources: list[DataSource] = field(default_factory=list)
+    builtin: str | None = None
+    system_prompt: str | None = None
+    max_length: int = 2048
+    overflow: str = "truncate"
+    bad_lines: str = "skip"
+    heldout_fraction: float = 0.1
+    max_conversations: int | None = None
+    regen: RegenConfig = field(default_factory=RegenConfig)
+
+
+@dataclass
+class CaptureConfig:
+    """Which hidden states to store, and how."""
+    mode: str = "offline"
+    layer_ids: list[int] | None = None
+    dtype: str = "bf16"
+    shard_size_mb: float = 256.0
+    batch_tokens: int = 8192
+    masked_only: bool = True
+
+
+@dataclass
+class HeadConfig:
+    kind: str = "eagle3"
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    loss_decay: float = 0.8
+    intermediate_size: int | None = None
+
+
+@dataclass
+class TrackingConfig:
+    backend: str = "wandb"
+    project: str = "draftsmith"
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0
+    max_steps: int | None = None
+    batch_size: int = 1
+    max_batch_tokens: int = 4096
+    grad_accum: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.015
+    max_grad_norm: float = 0.5
+    eval_every: int = 200
+    save_every: int = 200
+    keep_last: int = 2
+    log_every: int = 10
+    seed: int = 0
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+@dataclass
+class ValidateConfig:
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+    depth: int = 6
+    top_k: int = 8
+    num_nodes: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sample_top_k: int = 0
+    device: str = "auto"
+    min_tau: float | None = None
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = field(default_factory=lambda: ["sglang", "vllm", "speculators"])
+    dtype: str = "bf16"
+
+
+@dataclass
+class Recipe:
+    """Everything about *what* to train. How to launch lives in recipes/launch/."""
+    name: str = ""
+    out_dir: str = "runs"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    source_path: str = ""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("source_path")
+        return data
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections, so a stage is invalidated only by what it reads."""
+        data = self.to_dict()
+        chosen = {name: data[name] for name in sections}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CHOICES = {
+    "target.dtype": {"auto", "fp32", "bf16", "fp16"},
+    "data.overflow": {"truncate", "drop"},
+    "data.bad_lines": {"skip", "fail"},
+    "data.sources.format": {"auto", "sharegpt", "openai", "text"},
+    "capture.mode": {"offline", "online"},
+    "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
+    "train.tracking.backend": {"wandb", "none"},
+    "export.dtype": {"bf16", "fp16", "fp32"},
+}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, path: str):
+    """Check `value` against annotation `tp`, building nested dataclasses; raise naming `path`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, path)
+            except RecipeError as exc:
+                errors.append(str(exc))
+        raise RecipeError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{path}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(item, item_tp, f"{path}[{i}]") for i, item in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path or 'recipe'}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise RecipeError(f"{path}: expected bool (true/false), got {value!r}")
+    if tp in (int, float) and isinstance(value, bool):
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if not isinstance(value, tp):
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls) if f.name != "source_path"]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in valid:
+            raise RecipeError(f"unknown key {path!r}; valid keys here: {', '.join(valid)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+        _check_choice(path, kwargs[key])
+    return cls(**kwargs)
+
+
+def _check_choice(path: str, value) -> None:
+    generic = ".".join(part.split("[")[0] for part in path.split("."))
+    allowed = CHOICES.get(generic)
+    values = value if isinstance(value, list) else [value]
+    for item in values:
+        if allowed is not None and not dataclasses.is_dataclass(item) and item not in allowed:
+            raise RecipeError(f"{path}: {item!r} is not one of {sorted(allowed)}")
+        if dataclasses.is_dataclass(item):
+            for f in dataclasses.fields(item):
+                _check_choice(f"{path}.{f.name}", getattr(item, f.name))
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    if "=" not in override:
+        raise RecipeError(f"override {override!r}: expected section.field=value")
+    key, text = override.split("=", 1)
+    value = yaml.safe_load(text) if text != "" else None
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {override!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Recipe:
+    """Parse recipe YAML text plus dotted overrides into a validated Recipe."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: expected a mapping at the top level")
+    for override in overrides:
+        _apply_override(raw, override)
+    try:
+        recipe = _build(Recipe, raw, "")
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from None
+    if not recipe.name:
+        raise RecipeError(f"{source}: key 'name' is required (it names the run directory)")
+    if not recipe.target.model and recipe.target.embedded is None:
+        raise RecipeError(f"{source}: set target.model (a model directory or hub id) or target.embedded")
+    recipe.source_path = source
+    return recipe
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Load a recipe YAML file; see `loads`."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    return loads(path.read_text(), overrides, source=str(path))
+
+
+def dump(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

@@ -1,0 +1,107 @@
+"""Drafting with an EAGLE-3 head: a preallocated KV cache that keeps committed context only, and an
+EAGLE-2 dynamic tree whose node KV lives in scratch space past the committed length, dropped
+(overwritten) after each round.
+
+Draft position t pairs target feature f_t with token x_{t+1}. A tree node at depth d is fed at
+draft position (committed - 1 + d) with its parent's un-normed output as hidden state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.runtime.tree import Tree, assemble_tree
+
+
+@dataclass
+class TreeConfig:
+    depth: int = 6
+    top_k: int = 8
+    num_nodes: int = 32
+
+
+def _attend(q, k, v, allowed_NL: torch.Tensor):
+    """SDPA over explicit keys with a boolean [N, L] visibility mask (GQA expanded by SDPA)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_NL[None, None],
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Eagle3Drafter:
+    def __init__(self, head, max_len: int, tree: TreeConfig):
+        self.head, self.tree_cfg, self.max_len = head, tree, max_len
+        cfg = head.config
+        p = next(head.parameters())
+        shape = (1, cfg["num_key_value_heads"], max_len, cfg["head_dim"])
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros_like(self.k)
+        self.device, self.length = p.device, 0
+        self.h_last = self.logits_last = None
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @torch.no_grad()
+    def extend(self, tokens_T: torch.Tensor, aux_TK: torch.Tensor) -> None:
+        """Commit positions [length, length+T): features from the target, tokens one ahead."""
+        T, start = len(tokens_T), self.length
+        positions = torch.arange(start, start + T, device=self.device)
+
+        def attend(q, k, v):
+            self.k[:, :, start:start + T] = k
+            self.v[:, :, start:start + T] = v
+            allowed = torch.ones(T, start + T, dtype=torch.bool, device=self.device)
+            allowed[:, start:] = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            return _attend(q, self.k[:, :, :start + T], self.v[:, :, :start + T], allowed)
+
+        h = self.head.fc(aux_TK.to(self.k.dtype))[None]
+        out = self.head.step(tokens_T[None], h, positions[None], attend)[0]
+        self.length += T
+        self.h_last, self.logits_last = out[-1], self.head.logits(out[-1:])[0].float()
+
+    def _expand(self, tokens_F, h_FH, depth: int, num_tree: int, tree_allowed_FM):
+        """One batched step for the frontier. Tree KV goes in the cache's scratch space right after
+        the committed context, [length, length+num_tree+F), and is overwritten by the next extend."""
+        F_, base = len(tokens_F), self.length + num_tree
+        if base + F_ > self.max_len:
+            raise ValueError(f"draft tree does not fit the runtime's max_len={self.max_len}")
+        positions = torch.full((F_,), self.length - 1 + depth, device=self.device)
+
+        def attend(q, k, v):
+            self.k[:, :, base:base + F_] = k
+            self.v[:, :, base:base + F_] = v
+            allowed = torch.cat([torch.ones(F_, self.length, dtype=torch.bool, device=self.device), tree_allowed_FM,
+                                 torch.eye(F_, dtype=torch.bool, device=self.device)], dim=1)
+            return _attend(q, self.k[:, :, :base + F_], self.v[:, :, :base + F_], allowed)
+
+        out = self.head.step(tokens_F[None], h_FH[None], positions[None], attend)[0]
+        return out, torch.log_softmax(self.head.logits(out).float(), -1)
+
+    @torch.no_grad()
+    def draft_tree(self, root: torch.Tensor) -> Tree:
+        """EAGLE-2: expand the top-k frontier by cumulative log-prob `depth` times, rerank globally."""
+        K, dev = self.tree_cfg.top_k, self.device
+        logp = torch.log_softmax(self.logits_last, -1)
+        score, draft_ids = torch.topk(logp, K)
+        cand = {"tokens": [self.head.to_target_ids(draft_ids)], "parent": [torch.full((K,), -1, device=dev)],
+                "score": [score], "depth": [torch.ones(K, dtype=torch.long, device=dev)]}
+        frontier = torch.arange(K, device=dev)            # candidate indices
+        frontier_h = self.h_last.expand(K, -1)
+        anc = torch.zeros(K, 0, dtype=torch.bool, device=dev)  # frontier x expanded nodes: ancestry
+        flat = lambda key: torch.cat(cand[key])  # noqa: E731
+        for depth in range(1, self.tree_cfg.depth):
+            out, logp = self._expand(flat("tokens")[frontier], frontier_h, depth, anc.shape[1], anc)
+            child_score, child_ids = torch.topk(logp, K, dim=-1)                      # [K, K]
+            total = flat("score")[frontier, None] + child_score
+            base = sum(len(t) for t in cand["tokens"])
+            cand["tokens"].append(self.head.to_target_ids(child_ids.flatten()))
+            cand["parent"].append(frontier.repeat_interleave(K))
+            cand["score"].append(total.flatten())
+            cand["depth"].append(torch.full((K * K,), depth + 1, dtype=torch.long, device=dev))
+            best = torch.topk(total.flatten(), K).indices
+            # ancestors of the new frontier among expanded nodes: the parent's row plus the parent itself
+            parent_slot = best // K
+            eye = torch.eye(K, dtype=torch.bool, device=dev)
+            anc = torch.cat([anc, eye], dim=1)[parent_slot]
+            frontier, frontier_h = base + best, out[parent_slot]
+        return assemble_tree(root, flat("tokens"), flat("parent"), flat("score"), flat("depth"), self.tree_cfg.num_nodes)

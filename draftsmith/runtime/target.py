@@ -1,0 +1,78 @@
+"""Target wrapper for any Hugging Face causal LM: a preallocated static KV cache, prefill, a
+one-pass verify over `prefix + tree` with a 4-D tree mask and depth-based positions, and a
+single gather-copy that commits the accepted path's KV.
+
+The model's own modeling code runs unchanged: the tree enters only as `attention_mask` (4-D
+masks are used as-is) and `position_ids`; hidden states come from forward hooks."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import StaticCache
+
+from draftsmith.data.capture import FeatureExtractor
+
+
+class TargetRunner:
+    """Static-cache driver. `length` (committed tokens) is host-side bookkeeping."""
+
+    def __init__(self, model, max_len: int, layer_ids: list[int]):
+        self.model, self.max_len = model, max_len
+        self.extractor = FeatureExtractor(model, layer_ids)
+        self.device, self.dtype = model.device, model.dtype
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        params = inspect.signature(self.extractor.decoder.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.lm_head = model.get_output_embeddings()
+        self.length = 0
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.length = 0
+
+    def _mask(self, tree_mask_NN: torch.Tensor) -> torch.Tensor:
+        """Additive [1, 1, N, max_len] mask: all committed positions visible, then the tree block."""
+        N = tree_mask_NN.shape[0]
+        allowed = torch.zeros(N, self.max_len, dtype=torch.bool, device=self.device)
+        allowed[:, :self.length] = True
+        allowed[:, self.length:self.length + N] = tree_mask_NN
+        mask = torch.zeros(N, self.max_len, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+    def _set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+        self.length = length
+
+    @torch.no_grad()
+    def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor):
+        """Run tokens at positions length+depth; returns (logits_NV fp32, aux_NK, final_NH).
+        Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
+        if self.length + len(tokens_N) > self.max_len:
+            raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
+        self._set_length(self.length)
+        self.extractor._captured.clear()
+        out = self.extractor.decoder(
+            input_ids=tokens_N[None], position_ids=(self.length + depth_N)[None],
+            attention_mask=self._mask(tree_mask_NN), use_cache=True, **{self.cache_kwarg: self.cache})
+        final = out.last_hidden_state[0]
+        aux = self.extractor.aux()
+        return self.lm_head(final).float(), None if aux is None else aux[0], final
+
+    def prefill(self, prompt_T: torch.Tensor):
+        T = len(prompt_T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal)
+        self.commit(torch.arange(T, device=self.device))
+        return logits, aux, final
+
+    def commit(self, node_idx_A: torch.Tensor) -> None:
+        """Keep the KV of the accepted tree nodes (indices into the last forward's N tokens)."""
+        src = self.length + node_idx_A
+        dst = torch.arange(self.length, self.length + len(node_idx_A), device=self.device)
+        for layer in self.cache.layers:
+            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        self._set_length(self.length + len(node_idx_A))

@@ -1,0 +1,218 @@
+"""`draftsmith validate`: prove a head in the bundled runtime before it is exported.
+
+Writes validation.json, report.md and plots: tau (tokens per target forward, bonus included),
+conditional acceptance per depth, the acceptance-length histogram, tokens/s of plain decoding
+and of speculative decoding in this runtime, Hugging Face `generate` as an outside baseline,
+the token-for-token comparison with plain greedy decoding, the measured draft/target step cost
+ratio c and the expected walltime factor tau / (gamma * c + 1)."""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from draftsmith import artifacts
+from draftsmith.recipe import Recipe
+from draftsmith.runtime.draft import Eagle3Drafter, TreeConfig
+from draftsmith.runtime.generate import plain_generate, speculative_generate
+from draftsmith.runtime.loading import load_head
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.verify import SamplingConfig
+
+
+def validate_dir(recipe: Recipe) -> Path:
+    return recipe.run_dir / "validate"
+
+
+def _head_sha(head: Path) -> str | None:
+    weights = head / "model.safetensors"
+    return artifacts.sha256_file(weights) if weights.exists() else None
+
+
+def validation_is_current(recipe: Recipe) -> bool:
+    path = validate_dir(recipe) / "validation.json"
+    if not path.exists():
+        return False
+    data = json.loads(path.read_text())
+    head = recipe.run_dir / "head"
+    return data.get("head_sha256") == _head_sha(head) and data.get("validate_hash") == recipe.section_hash("validate")
+
+
+def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[torch.Tensor]:
+    """Held-out conversations up to their first assistant turn, rendered with the chat template."""
+    from draftsmith.data.prepare import load_heldout
+    prompts = []
+    for conv in load_heldout(recipe):
+        if "messages" not in conv:
+            continue
+        first = next((i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"), None)
+        if first is None or first == 0:
+            continue
+        messages = conv["messages"][:first]
+        if recipe.data.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with")
+    return prompts
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids
+
+
+def acceptance_stats(accept_lengths: list[int], depth: int) -> dict:
+    """tau includes the bonus token; alpha_d is conditional: P(accept >= d | accept >= d-1)."""
+    counts = Counter(accept_lengths)
+    rounds = max(len(accept_lengths), 1)
+    alpha = []
+    for d in range(1, depth + 1):
+        reached = sum(c for k, c in counts.items() if k >= d - 1)
+        passed = sum(c for k, c in counts.items() if k >= d)
+        alpha.append(passed / reached if reached else 0.0)
+    return {"tau": sum(a + 1 for a in accept_lengths) / rounds, "num_rounds": len(accept_lengths),
+            "acceptance_per_depth": alpha, "accept_length_histogram": {str(k): counts.get(k, 0) for k in range(depth + 1)}}
+
+
+def _hf_generate_seconds(model, prompt: torch.Tensor, num_tokens: int) -> float:
+    ids = prompt[None].to(model.device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                   do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
+    return time.perf_counter() - start
+
+
+def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> float:
+    """Seconds of one draft expansion step over the seconds of one plain target decode step."""
+    target.reset()
+    drafter.reset()
+    _, aux, _ = target.prefill(prompt)
+    drafter.extend(prompt[1:], aux[:-1])
+    start = time.perf_counter()
+    for _ in range(repeats):
+        drafter.draft_tree(prompt[-1])
+    per_draft_step = (time.perf_counter() - start) / repeats / max(drafter.tree_cfg.depth, 1)
+    one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+    zero = torch.zeros(1, dtype=torch.long, device=target.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.forward(prompt[-1:], zero, one)
+    return per_draft_step / ((time.perf_counter() - start) / repeats)
+
+
+def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
+    from draftsmith.data.target import load_target, load_tokenizer, pick_device
+    if recipe is None:
+        raise ValueError("validate needs --recipe (for the held-out prompts and decoding settings)")
+    if target:
+        recipe.target.model = target
+    cfg = recipe.validate
+    device = pick_device() if cfg.device == "auto" else torch.device(cfg.device)
+    torch.manual_seed(recipe.seed)
+    model = load_target(recipe, device)
+    tokenizer = load_tokenizer(recipe)
+    head_path = Path(head) if head else recipe.run_dir / "head"
+    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight)
+    draft_head = draft_head.to(device=device, dtype=model.dtype)
+    _check_target(meta, model, recipe)
+    prompts = [p.to(device) for p in prompts_from_heldout(recipe, tokenizer, cfg.num_prompts)]
+    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
+    runner = TargetRunner(model, max_len, draft_head.config["draftsmith"]["layer_ids"])
+    drafter = Eagle3Drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes))
+    result = _measure(recipe, model, runner, drafter, prompts, eos_ids(model, tokenizer))
+    result.update(head=str(head_path), head_sha256=_head_sha(head_path), head_format=meta.get("source_format"),
+                  target=recipe.target.model, device=str(device), dtype=str(model.dtype),
+                  validate_hash=recipe.section_hash("validate"), tree=vars(drafter.tree_cfg),
+                  training=meta.get("final_metrics"), layer_ids=draft_head.config["draftsmith"]["layer_ids"])
+    result["passed"] = bool(result["exact_match"] and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
+    out_dir = Path(out) if out else validate_dir(recipe)
+    write_report(out_dir, result)
+    return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
+        "report": str(out_dir / "report.md")}
+
+
+def _check_target(meta: dict, model, recipe: Recipe) -> None:
+    vocab = model.config.get_text_config().vocab_size
+    if meta["draft_config"]["vocab_size"] != vocab:
+        raise ValueError(f"head vocab_size {meta['draft_config']['vocab_size']} does not match the target's {vocab} "
+                         f"({recipe.target.model}); this head was trained for another target")
+    if meta.get("target_id") and meta["target_id"] != recipe.target.model:
+        print(f"warning: head was trained for {meta['target_id']}, validating against {recipe.target.model}", flush=True)
+
+
+def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
+    cfg = recipe.validate
+    greedy = SamplingConfig()
+    plain_generate(runner, prompts[0], 8, greedy, eos)          # warm-up: allocator, kernels
+    speculative_generate(runner, drafter, prompts[0], 8, greedy, eos)
+    plain_s = spec_s = hf_s = 0.0
+    plain_tokens = spec_tokens = hf_tokens = 0
+    accept, exact, mismatches = [], 0, []
+    for i, prompt in enumerate(prompts):
+        base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
+        spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
+        hf_s += _hf_generate_seconds(model, prompt, len(base.tokens))
+        plain_s, spec_s = plain_s + base.seconds, spec_s + spec.seconds
+        plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(base.tokens)
+        accept += spec.accept_lengths
+        if base.tokens == spec.tokens:
+            exact += 1
+        else:
+            mismatches.append(i)
+    stats = acceptance_stats(accept, cfg.depth)
+    c = _draft_step_cost(drafter, runner, prompts[0])
+    result = {**stats, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+              "exact_match": exact == len(prompts), "num_exact": exact, "mismatched_prompts": mismatches,
+              "plain_tokens_per_s": plain_tokens / plain_s, "spec_tokens_per_s": spec_tokens / spec_s,
+              "hf_generate_tokens_per_s": hf_tokens / hf_s, "draft_to_target_cost_c": c,
+              "expected_walltime_factor": stats["tau"] / (cfg.depth * c + 1)}
+    result["speedup_vs_plain"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
+    result["speedup_vs_hf_generate"] = result["spec_tokens_per_s"] / result["hf_generate_tokens_per_s"]
+    if cfg.temperature > 0:
+        sampled = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p)
+        gen = torch.Generator(device=prompts[0].device).manual_seed(recipe.seed)
+        runs = [speculative_generate(runner, drafter, p, cfg.max_new_tokens, sampled, eos, gen) for p in prompts]
+        result["sampled"] = {"temperature": cfg.temperature, **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
+    return result
+
+
+def write_report(out_dir: Path, result: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    hist = result["accept_length_histogram"]
+    ax1.bar([int(k) for k in hist], list(hist.values()))
+    ax1.set(title="accepted draft tokens per round", xlabel="accepted (bonus excluded)", ylabel="rounds")
+    alpha = result["acceptance_per_depth"]
+    ax2.plot(range(1, len(alpha) + 1), alpha, marker="o")
+    ax2.set(title="conditional acceptance per depth", xlabel="depth", ylabel="P(accept d | reached d)", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=100)
+    plt.close(fig)
+    lines = ["# Validation report", "",
+             f"- head: `{result['head']}` ({result['head_format']}), target: `{result['target']}` on {result['device']} ({result['dtype']})",
+             f"- prompts: {result['num_prompts']} held-out, up to {result['max_new_tokens']} new tokens, tree {result['tree']}",
+             f"- **tau (tokens per target forward, bonus included): {result['tau']:.3f}**",
+             f"- acceptance per depth (conditional): {', '.join(f'{a:.2f}' for a in result['acceptance_per_depth'])}",
+             f"- plain decoding {result['plain_tokens_per_s']:.1f} tok/s, speculative {result['spec_tokens_per_s']:.1f} tok/s, "
+             f"HF generate {result['hf_generate_tokens_per_s']:.1f} tok/s",
+             f"- speedup: {result['speedup_vs_plain']:.2f}x vs plain (same runtime), {result['speedup_vs_hf_generate']:.2f}x vs HF generate",
+             f"- draft/target step cost c = {result['draft_to_target_cost_c']:.3f}; expected walltime factor "
+             f"tau/(gamma*c+1) = {result['expected_walltime_factor']:.2f} (gamma = depth)",
+             f"- greedy output identical to plain greedy decoding: {result['num_exact']}/{result['num_prompts']} prompts",
+             f"- passed: **{result['passed']}**", "", "![acceptance](acceptance.png)", ""]
+    with artifacts.atomic_path(out_dir / "report.md") as tmp:
+        tmp.write_text("\n".join(lines))
+    artifacts.write_json(out_dir / "validation.json", result)

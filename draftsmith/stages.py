@@ -1,0 +1,140 @@
+"""Stage dispatch and `draftsmith run`: every stage in order, skipping those whose manifest
+matches the recipe; once a stage runs, every stage after it runs too."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from draftsmith import artifacts
+from draftsmith.recipe import Recipe
+
+ORDER = ["target", "data", "capture", "train", "validate", "export"]
+
+
+def stage_target(recipe: Recipe, args=None):
+    from draftsmith.data.target import build_embedded_target, check_model_path
+    if recipe.target.embedded is None:
+        from transformers import AutoConfig
+        check_model_path(recipe.target.model)
+        config = AutoConfig.from_pretrained(recipe.target.model)
+        return {"target": recipe.target.model, "architectures": config.architectures}
+    return build_embedded_target(recipe, recipe.target.model, recipe.data.heldout_fraction)
+
+
+def stage_data(recipe: Recipe, args=None):
+    from draftsmith.data.prepare import run_data
+    return run_data(recipe, regen=True if args is not None and getattr(args, "regen", False) else None)
+
+
+def stage_capture(recipe: Recipe, args=None):
+    from draftsmith.data import capture
+    if args is not None and getattr(args, "verify", False):
+        problems = capture.verify(capture.capture_dir(recipe))
+        if problems:
+            raise artifacts.ArtifactError("capture store failed verification: " + "; ".join(problems))
+        return f"{capture.capture_dir(recipe)}: every shard matches its checksum"
+    if recipe.capture.mode == "online":
+        return "capture.mode=online: the trainer runs the target in-process; nothing to store"
+    return capture.run_capture(recipe, dry_run=bool(args is not None and getattr(args, "dry_run", False)))
+
+
+def stage_train(recipe: Recipe, args=None):
+    from draftsmith.train.run import run_train
+    return run_train(recipe)
+
+
+def stage_validate(recipe: Recipe | None, args=None):
+    from draftsmith.runtime.validate import run_validate
+    return run_validate(recipe, head=getattr(args, "head", None), target=getattr(args, "target", None),
+                        out=getattr(args, "out", None))
+
+
+def stage_export(recipe: Recipe | None, args=None):
+    from draftsmith.runtime.export import export_head
+    from draftsmith.train.trainer import head_dir
+    if recipe is None and not getattr(args, "head", None):
+        raise ValueError("export needs --head CKPT or --recipe R")
+    head = getattr(args, "head", None) or str(head_dir(recipe))
+    engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else ["sglang"])
+    dtype = recipe.export.dtype if recipe else "bf16"
+    written = {}
+    for engine in engines:
+        out = getattr(args, "out", None) if len(engines) == 1 and getattr(args, "out", None) else None
+        out = out or str((Path(recipe.run_dir) if recipe else Path(head).parent) / "export" / engine)
+        written[engine] = export_head(head, engine, out, dtype=dtype,
+                                      allow_unvalidated=bool(getattr(args, "allow_unvalidated", False)))
+    return written
+
+
+STAGE_FUNCS = {"target": stage_target, "data": stage_data, "capture": stage_capture, "train": stage_train,
+               "validate": stage_validate, "export": stage_export}
+
+
+def is_current(stage: str, recipe: Recipe) -> bool:
+    """A stage is current when its manifest exists, is complete and was made from these inputs."""
+    from draftsmith.data import capture, prepare
+    from draftsmith.data.target import target_fingerprint
+    from draftsmith.train.trainer import head_dir, train_inputs_hash
+    if stage == "target":
+        if recipe.target.embedded is None:
+            return True
+        return artifacts.stage_is_current(recipe.target.model, "target", recipe.section_hash("target"))
+    if stage == "data":
+        current = artifacts.stage_is_current(prepare.data_dir(recipe), "data", prepare.inputs_hash(recipe))
+        return current and artifacts.read_json(prepare.data_dir(recipe) / artifacts.MANIFEST).get(
+            "target_fingerprint") == target_fingerprint(recipe.target.model)
+    if stage == "capture":
+        return recipe.capture.mode == "online" or artifacts.stage_is_current(
+            capture.capture_dir(recipe), "capture", capture.capture_inputs_hash(recipe))
+    if stage == "train":
+        return artifacts.stage_is_current(head_dir(recipe), "train", train_inputs_hash(recipe))
+    if stage == "validate":
+        from draftsmith.runtime.validate import validation_is_current
+        return validation_is_current(recipe)
+    return False
+
+
+def run_all(recipe: Recipe) -> str:
+    started, forced, timings = time.perf_counter(), False, {}
+    for stage in ORDER:
+        if not forced and is_current(stage, recipe):
+            print(f"[draftsmith] {stage}: up to date (manifest matches the recipe), skipped", flush=True)
+            continue
+        print(f"[draftsmith] {stage}: running", flush=True)
+        t0 = time.perf_counter()
+        STAGE_FUNCS[stage](recipe)
+        timings[stage] = round(time.perf_counter() - t0, 1)
+        forced = True
+    return summary(recipe, timings, time.perf_counter() - started)
+
+
+def summary(recipe: Recipe, timings: dict, seconds: float) -> str:
+    """The headline numbers and where every artifact is."""
+    from draftsmith.data.capture import capture_dir
+    from draftsmith.data.prepare import data_dir
+    from draftsmith.runtime.validate import validate_dir
+    from draftsmith.train.trainer import head_dir, train_dir
+    lines = [f"draftsmith run '{recipe.name}' finished in {seconds:.0f}s (stages run: {timings or 'none'})"]
+    target_manifest = Path(recipe.target.model) / artifacts.MANIFEST
+    if target_manifest.exists():
+        t = json.loads(target_manifest.read_text())
+        lines.append(f"  target      {recipe.target.model}  held-out perplexity {t.get('heldout_perplexity')}")
+    else:
+        lines.append(f"  target      {recipe.target.model}")
+    for name, path in [("data", data_dir(recipe)), ("capture", capture_dir(recipe)), ("train", train_dir(recipe)),
+                       ("head", head_dir(recipe)), ("validate", validate_dir(recipe)), ("export", recipe.run_dir / "export")]:
+        lines.append(f"  {name:<11} {path}")
+    val = validate_dir(recipe) / "validation.json"
+    if val.exists():
+        v = json.loads(val.read_text())
+        lines.append(f"  tau {v['tau']:.2f} tokens/forward | speedup {v['speedup_vs_plain']:.2f}x vs plain, "
+                     f"{v['speedup_vs_hf_generate']:.2f}x vs HF generate | greedy exact: {v['exact_match']} "
+                     f"| passed: {v['passed']}")
+    return "\n".join(lines)
+
+
+def dispatch(stage: str, recipe: Recipe | None, args):
+    if stage == "run":
+        return run_all(recipe)
+    return STAGE_FUNCS[stage](recipe, args)

@@ -1,0 +1,117 @@
+"""Batches for the trainer: from the capture store (offline) or the target in-process (online).
+
+Both produce the same per-sample records (`capture.sample_record`), so the head sees identical
+inputs either way; `to_head_batch` turns records into what a head's loss reads."""
+from __future__ import annotations
+
+import torch
+
+from draftsmith.data.capture import FeatureExtractor, needed_length, pad_batch, sample_record
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """Deterministic batches of sample indices for (epoch, rank): resume can skip to any of them."""
+    gen = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    order = torch.randperm(num_samples, generator=gen).tolist()
+    usable = len(order) - len(order) % (world * batch_size) if len(order) >= world * batch_size else len(order)
+    mine = order[:usable][rank::world]
+    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+class OnlineSource:
+    """Runs the frozen target on token batches and returns records exactly as capture stores them."""
+
+    def __init__(self, model, layer_ids: list[int], dataset):
+        self.extractor, self.dataset = FeatureExtractor(model, layer_ids), dataset
+        self.device = next(model.parameters()).device
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def records(self, indices: list[int]) -> list[dict]:
+        rows = self.dataset[indices]
+        ids, attn = pad_batch(rows["input_ids"])
+        aux, final = self.extractor(ids.to(self.device), attn.to(self.device))
+        out = []
+        for r, mask_list in enumerate(rows["loss_mask"]):
+            n, mask = len(mask_list), torch.tensor(mask_list)
+            rec = sample_record(ids[r, :n], mask, None if aux is None else aux[r, :n], final[r, :n], "fp32",
+                                needed_length(mask_list))
+            out.append({"input_ids": rec["input_ids"].long(), "loss_mask": rec["loss_mask"].long(),
+                        "teacher_pos": rec["teacher_pos"].long(), "teacher": rec["teacher"].float(),
+                        "aux": None if rec["aux"] is None else rec["aux"].float()})
+        return out
+
+
+class OfflineSource:
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def records(self, indices: list[int]) -> list[dict]:
+        return [self.store[i] for i in indices]
+
+
+def collate(records: list[dict], max_tokens: int) -> dict:
+    """Right-pad to the longest sample (cut at max_tokens); teacher hiddens scattered to positions."""
+    T = min(max(len(r["input_ids"]) for r in records), max_tokens)
+    B, H = len(records), records[0]["teacher"].shape[-1]
+    K = records[0]["aux"].shape[-1]
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, K),
+             "teacher": torch.zeros(B, T, H), "has_teacher": torch.zeros(B, T, dtype=torch.bool)}
+    for b, r in enumerate(records):
+        n = min(len(r["input_ids"]), T)
+        batch["input_ids"][b, :n] = r["input_ids"][:n]
+        k = min(r["aux"].shape[0], T)
+        batch["aux"][b, :k] = r["aux"][:k]
+        keep = r["teacher_pos"] < T
+        pos = r["teacher_pos"][keep]
+        batch["teacher"][b, pos] = r["teacher"][keep].to(batch["teacher"].dtype)
+        batch["has_teacher"][b, pos] = True
+    batch["position_ids"] = torch.arange(T).expand(B, T).contiguous()
+    return batch
+
+
+@torch.no_grad()
+def teacher_targets(batch: dict, lm_head_VH: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """Teacher distribution over the draft vocabulary, in fp32, only where a teacher exists and its
+    argmax lies inside the draft vocabulary."""
+    has = batch.pop("has_teacher")
+    teacher = batch.pop("teacher")
+    B, T = has.shape
+    draft_to_target = d2t + torch.arange(len(d2t), device=d2t.device)
+    target_to_draft = torch.full((len(t2d),), -1, dtype=torch.long, device=d2t.device)
+    target_to_draft[draft_to_target] = torch.arange(len(d2t), device=d2t.device)
+    logits = teacher[has].float() @ lm_head_VH.float().T
+    full_argmax = logits.argmax(-1)
+    probs = torch.zeros(B, T, len(d2t), device=teacher.device)
+    probs[has] = torch.softmax(logits[:, draft_to_target], dim=-1)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=teacher.device)
+    valid[has] = t2d[full_argmax]
+    argmax = torch.full((B, T), -1, dtype=torch.long, device=teacher.device)
+    argmax[has] = target_to_draft[full_argmax]
+    batch.update(target_probs=probs, target_valid=valid, target_argmax=argmax)
+    return batch
+
+
+class Subset:
+    """A view of a source through a list of sample indices (the train / eval split)."""
+
+    def __init__(self, source, indices: list[int]):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def records(self, idx: list[int]) -> list[dict]:
+        return self.source.records([self.indices[i] for i in idx])
+
+
+def split_indices(num_samples: int, every: int = 20) -> tuple[list[int], list[int]]:
+    """Every `every`-th sample is held out for evaluation (none when the set is tiny)."""
+    if num_samples < 2 * every:
+        return list(range(num_samples)), []
+    train = [i for i in range(num_samples) if i % every]
+    return train, [i for i in range(num_samples) if i % every == 0]

@@ -1,0 +1,75 @@
+"""The train stage: wire data, features, vocabulary and head into the one Trainer."""
+from __future__ import annotations
+
+import os
+
+from draftsmith import artifacts
+from draftsmith.data.capture import capture_dir, layer_ids_for
+from draftsmith.data.prepare import load_train
+from draftsmith.data.target import load_target, load_target_embeddings, target_fingerprint
+from draftsmith.data.vocab import load_or_build
+from draftsmith.heads.registry import get_head_class
+from draftsmith.recipe import Recipe
+from draftsmith.train import batches as B
+from draftsmith.train.tracking import make_tracker
+from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_dir, train_inputs_hash
+
+
+def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int], accelerator):
+    """(feature source, input embedding, lm_head) for offline or online mode."""
+    if recipe.capture.mode == "online":
+        model = load_target(recipe, accelerator.device)
+        return (B.OnlineSource(model, layer_ids, dataset), model.get_input_embeddings().weight.detach(),
+                model.get_output_embeddings().weight.detach())
+    from draftsmith.data.store import CaptureStore
+    expected = {"target_id": recipe.target.model, "target_fingerprint": target_fingerprint(recipe.target.model),
+                "layer_ids": layer_ids, "head_kind": recipe.head.kind, "data_hash": data_manifest["inputs_hash"]}
+    store = CaptureStore(capture_dir(recipe), expected=expected)
+    if len(store) != len(dataset):
+        raise artifacts.ArtifactError(f"{capture_dir(recipe)} holds {len(store)} samples, the data stage {len(dataset)}")
+    embed, lm_head = load_target_embeddings(recipe.target.model)
+    return B.OfflineSource(store), embed, lm_head
+
+
+def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
+    from transformers import AutoConfig
+    accelerator = accelerator or make_accelerator(recipe)
+    dataset, data_manifest = load_train(recipe)
+    target_config = AutoConfig.from_pretrained(recipe.target.model)
+    text_config = target_config.get_text_config()
+    layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers)
+    source, embed, lm_head = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
+    d2t, t2d, vocab_report = load_or_build(recipe.run_dir / "cache", data_manifest["inputs_hash"], dataset,
+                                           text_config.vocab_size, recipe.head.draft_vocab_size)
+    head = get_head_class(recipe.head.kind).from_target(target_config, recipe.head, layer_ids)
+    head.set_vocab(d2t, t2d)
+    head.load_target_embedding(embed)
+    train_idx, eval_idx = B.split_indices(len(source))
+    train_dir(recipe).mkdir(parents=True, exist_ok=True)
+    tracker = make_tracker(recipe, train_dir(recipe), accelerator.is_main_process)
+    trainer = Trainer(recipe, head, B.Subset(source, train_idx), B.Subset(source, eval_idx) if eval_idx else None,
+                      d2t, t2d, lm_head, accelerator, tracker)
+    trainer.vocab_report = vocab_report
+    if accelerator.is_main_process:
+        print(f"draft vocabulary: {vocab_report['draft_vocab_size']} ids cover "
+              f"{vocab_report['coverage']:.1%} of training target tokens", flush=True)
+    return trainer
+
+
+def run_train(recipe: Recipe) -> dict:
+    """Train (resuming from the last complete checkpoint), then write <run>/head/ and the manifest."""
+    trainer = build_trainer(recipe)
+    trainer.resume()
+    kill = os.environ.get("DRAFTSMITH_KILL_AT_STEP")
+    final = trainer.run(kill_at_step=int(kill) if kill else None)
+    tensors = trainer.head_tensors()
+    manifest = {}
+    if trainer.accelerator.is_main_process:
+        meta = trainer.metadata() | {"vocab": trainer.vocab_report, "final_metrics": final}
+        artifacts.save_checkpoint(head_dir(recipe), tensors, meta)
+        manifest = artifacts.write_manifest(head_dir(recipe), "train", train_inputs_hash(recipe),
+                                            target_id=recipe.target.model, steps=trainer.step, tokens=trainer.tokens,
+                                            final_metrics=final, vocab=trainer.vocab_report)
+    trainer.tracker.finish()
+    trainer.accelerator.wait_for_everyone()
+    return manifest

@@ -1,0 +1,241 @@
+"""The one trainer. Heads plug in through the registry; accelerate supplies DDP / FSDP / DeepSpeed
+(chosen by `accelerate launch --config_file recipes/launch/*.yaml`, never by the recipe).
+
+Exact resume: checkpoints hold the head, optimizer, scheduler and every process's RNG (accelerate
+`save_state`) plus the step counter; data order is a pure function of (seed, epoch), so a rerun
+after kill -9 continues the same loss curve."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import artifacts
+from draftsmith.recipe import Recipe
+from draftsmith.train import batches as B
+from draftsmith.train.tracking import MetricsLog, make_tracker
+
+COMPLETE = "COMPLETE"
+
+
+def train_dir(recipe: Recipe) -> Path:
+    return recipe.run_dir / "train"
+
+
+def head_dir(recipe: Recipe) -> Path:
+    return recipe.run_dir / "head"
+
+
+def train_inputs_hash(recipe: Recipe) -> str:
+    return recipe.section_hash("target", "data", "capture", "head", "train")
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    kwargs = {}
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # a launch config decides when it says so
+        kwargs["mixed_precision"] = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, **kwargs)
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.batch_size
+        ds.deepspeed_config["gradient_accumulation_steps"] = recipe.train.grad_accum
+        ds.deepspeed_config["gradient_clipping"] = recipe.train.max_grad_norm
+    set_seed(recipe.train.seed)
+    return accelerator
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    warmup = max(1, int(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+class Trainer:
+    """Owns the loop; the head owns only its loss."""
+
+    def __init__(self, recipe: Recipe, head, source, eval_source, d2t, t2d, lm_head_VH, accelerator, tracker):
+        self.recipe, self.cfg, self.accelerator, self.tracker = recipe, recipe.train, accelerator, tracker
+        self.source, self.eval_source = source, eval_source
+        self.d2t, self.t2d = d2t.to(accelerator.device), t2d.to(accelerator.device)
+        self.lm_head = lm_head_VH.to(accelerator.device)
+        world, rank = accelerator.num_processes, accelerator.process_index
+        self.batches_per_epoch = len(B.epoch_order(len(source), self.cfg.seed, 0, rank, world, self.cfg.batch_size))
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"train.batch_size={self.cfg.batch_size} x {world} processes exceeds the {len(source)} training samples")
+        steps = self.cfg.max_steps or math.ceil(self.cfg.epochs * self.batches_per_epoch / self.cfg.grad_accum)
+        self.total_steps = max(1, steps)
+        params = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.total_steps, self.cfg.warmup_ratio))
+        self.model, self.optimizer, self.scheduler = accelerator.prepare(head, optimizer, scheduler)
+        self.step = self.micro_step = self.tokens = 0
+        self.log = MetricsLog(train_dir(recipe) / "metrics.jsonl", accelerator.is_main_process)
+
+    # ------------------------------------------------------------ batches
+
+    def micro_batches(self):
+        """Yield (epoch, indices) from micro_step on: a resumed run starts mid-epoch exactly."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        epoch, offset = divmod(self.micro_step, self.batches_per_epoch)
+        while True:
+            order = B.epoch_order(len(self.source), self.cfg.seed, epoch, rank, world, self.cfg.batch_size)
+            for indices in order[offset:]:
+                yield indices
+            epoch, offset = epoch + 1, 0
+
+    def device_batch(self, records: list[dict]) -> dict:
+        batch = B.collate(records, self.cfg.max_batch_tokens)
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        return B.teacher_targets(batch, self.lm_head, self.d2t, self.t2d)
+
+    # ------------------------------------------------------------ loop
+
+    def train_step(self, indices: list[int]) -> dict:
+        records = self.source.records(indices)
+        batch = self.device_batch(records)
+        with self.accelerator.accumulate(self.model):
+            loss, metrics = self.model(batch)
+            self.accelerator.backward(loss)
+            grad_norm = None
+            if self.accelerator.sync_gradients:
+                grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro_step += 1
+        self.tokens += int(batch["input_ids"].numel())
+        metrics["loss"] = loss.detach()
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        return metrics
+
+    def run(self, kill_at_step: int | None = None) -> dict:
+        from tqdm import tqdm
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not self.accelerator.is_main_process)
+        started, last = time.perf_counter(), {}
+        for indices in self.micro_batches():
+            if self.step >= self.total_steps:
+                break
+            metrics = self.train_step(indices)
+            if not self.accelerator.sync_gradients:
+                continue
+            self.step += 1
+            bar.update(1)
+            if self.step % self.cfg.log_every == 0 or self.step == 1 or self.step == self.total_steps:
+                last = self.log_metrics(metrics, started)
+            if self.eval_source is not None and self.step % self.cfg.eval_every == 0:
+                self.evaluate()
+            if self.step % self.cfg.save_every == 0 and self.step < self.total_steps:
+                self.save()
+            if kill_at_step is not None and self.step == kill_at_step:
+                os._exit(9)  # tests: die like kill -9 right after this step
+        bar.close()
+        final_eval = self.evaluate() if self.eval_source is not None else {}
+        return {**last, **final_eval}
+
+    def log_metrics(self, metrics: dict, started: float) -> dict:
+        values = {k: float(v) for k, v in metrics.items()}
+        values.update(step=self.step, lr=self.scheduler.get_last_lr()[0], tokens=self.tokens,
+                      tokens_per_s=self.tokens / max(time.perf_counter() - started, 1e-9))
+        if torch.cuda.is_available():
+            values["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self.log.write(values)
+        self.tracker.log({f"train/{k}": v for k, v in values.items() if k != "step"}, self.step)
+        return values
+
+    @torch.no_grad()
+    def evaluate(self, max_samples: int = 64) -> dict:
+        self.model.eval()
+        totals, count = {}, 0
+        indices = list(range(min(len(self.eval_source), max_samples)))
+        for start in range(0, len(indices), self.cfg.batch_size):
+            batch = self.device_batch(self.eval_source.records(indices[start:start + self.cfg.batch_size]))
+            loss, metrics = self.model(batch)
+            metrics["loss"] = loss
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            count += 1
+        self.model.train()
+        values = {f"eval_{k}": v / max(count, 1) for k, v in totals.items()}
+        self.log.write({"step": self.step, "eval": True, **values}, echo=False)
+        if self.accelerator.is_main_process:
+            print(f"eval step={self.step} loss={values.get('eval_loss', 0):.4f} "
+                  f"sim_accept_len={values.get('eval_sim_accept_len', 0):.3f}", flush=True)
+        self.tracker.log({k.replace("eval_", "eval/"): v for k, v in values.items()}, self.step)
+        return values
+
+    # ------------------------------------------------------------ checkpoints
+
+    def head_tensors(self) -> dict:
+        state = self.accelerator.get_state_dict(self.model)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        keep = set(unwrapped.trainable_state())
+        return {k: v for k, v in state.items() if k in keep}
+
+    def metadata(self) -> dict:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return {"kind": unwrapped.kind, "target_id": self.recipe.target.model,
+                "layer_ids": unwrapped.config["draftsmith"]["layer_ids"], "draft_config": unwrapped.draft_config(),
+                "step": self.step, "micro_step": self.micro_step, "tokens": self.tokens,
+                "recipe": self.recipe.to_dict(), "recipe_hash": train_inputs_hash(self.recipe)}
+
+    def save(self) -> Path:
+        """state/ (optimizer, scheduler, RNG) + head/, then a COMPLETE marker: resume trusts only that."""
+        root = train_dir(self.recipe) / "checkpoints"
+        final = root / f"step-{self.step:08d}"
+        staging = root / f".step-{self.step:08d}.partial"
+        if self.accelerator.is_main_process and staging.exists():
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(staging / "state"))
+        tensors = self.head_tensors()
+        if self.accelerator.is_main_process:
+            artifacts.save_checkpoint(staging / "head", tensors, self.metadata())
+            artifacts.write_json(staging / "trainer.json", {"step": self.step, "micro_step": self.micro_step,
+                                                            "tokens": self.tokens})
+            (staging / COMPLETE).write_text("ok\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            self.prune(root)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def prune(self, root: Path) -> None:
+        done = complete_checkpoints(root)
+        for old in done[:-self.cfg.keep_last] if self.cfg.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self) -> bool:
+        done = complete_checkpoints(train_dir(self.recipe) / "checkpoints")
+        if not done:
+            return False
+        latest = done[-1]
+        meta = artifacts.read_json(latest / "head" / "head.json")
+        if meta.get("recipe_hash") != train_inputs_hash(self.recipe):
+            raise artifacts.ArtifactError(f"{latest} was written by another recipe; move {train_dir(self.recipe)} "
+                                          "aside or restore the recipe to resume")
+        self.accelerator.load_state(str(latest / "state"))
+        state = artifacts.read_json(latest / "trainer.json")
+        self.step, self.micro_step, self.tokens = state["step"], state["micro_step"], state["tokens"]
+        if self.accelerator.is_main_process:
+            print(f"resumed from {latest} at step {self.step}", flush=True)
+        return True
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / COMPLETE).exists())

@@ -220,6 +220,11 @@ def _coerce(value, tp, path: str):
         return _build(tp, value, path)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         raise RecipeError(f"{path}: expected bool (true/false), got {value!r}")
     if tp in (int, float) and isinstance(value, bool):

@@ -115,21 +115,24 @@ def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[in
         upto = tokenizer.apply_chat_template(messages[:index + 1], tokenize=False)
         if upto.startswith(prompt) and text.startswith(upto):
             start, end = len(prompt), len(upto.rstrip())
-        else:  # templates that rewrite history (e.g. dropping old reasoning): locate the content
-            start = text.find(message["content"], cursor)
-            if start < 0:
-                raise DataError("the chat template does not reproduce the assistant content")
-            end = _end_of_turn(tokenizer, text, start + len(message["content"]))
+        else:  # templates that rewrite history (e.g. dropping old reasoning): locate what is rendered
+            start, end = _locate_rewritten(message["content"], upto, text, cursor)
         spans.append((start, end))
         cursor = end
     return spans
 
 
-def _end_of_turn(tokenizer, text: str, pos: int) -> int:
-    eos = tokenizer.eos_token or ""
-    if eos and text.startswith(eos, pos):
-        return pos + len(eos)
-    return pos
+def _locate_rewritten(content: str, upto: str, text: str, cursor: int) -> tuple[int, int]:
+    """Find a history-rewritten assistant turn in `text`: its content (or the part after the
+    reasoning block) plus the end-of-turn marker the template puts after a final turn."""
+    tail = upto.rstrip()
+    eot = tail[tail.rfind(content) + len(content):] if content in tail else ""
+    for candidate in (content, content.split("</think>")[-1].lstrip("\n"), content.strip()):
+        start = text.find(candidate, cursor) if candidate else -1
+        if start >= 0:
+            end = start + len(candidate)
+            return start, end + len(eot) if eot and text.startswith(eot, end) else end
+    raise DataError("the chat template does not reproduce the assistant content")
 
 
 def encode_conversation(tokenizer, conv: dict, system_prompt: str | None) -> tuple[list[int], list[int]]:

@@ -8,7 +8,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-SKIP_PARTS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo"}
+SKIP_PARTS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo",
+              "encodings", "pydoc_data", "ensurepip"}  # codec tables and text blobs are not code
 
 
 @dataclass(frozen=True)

@@ -179,26 +179,29 @@ def _train_lm(model, stream: torch.Tensor, cfg: EmbeddedTargetConfig) -> tuple[i
             group["lr"] = max(lr, cfg.lr * 0.05)
         starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
         batch = torch.stack([stream[s:s + cfg.seq_len] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
+        with torch.autocast(device_type=pick_device().type, dtype=torch.bfloat16):  # 2-3x on CPUs with bf16 units
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        bar.n = min(int(elapsed), bar.total)
         bar.set_postfix(step=step, loss=f"{loss.item():.3f}", refresh=False)
+        bar.update(max(0, min(int(elapsed), bar.total) - bar.n))
     bar.close()
     return step, time.perf_counter() - start
 
 
-def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 48) -> tuple[str, str]:
-    """Greedy continuation of the first lines of a held-out module, to eyeball that it is Python."""
-    text = next(t for t in heldout_items if isinstance(t, str) and len(t) > 400)
-    prompt = "\n".join(text.splitlines()[:12])[:600]
+def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 64) -> tuple[str, str]:
+    """Greedy continuation of a held-out function's signature and docstring, to eyeball that it is Python."""
+    conv = next(t for t in heldout_items if isinstance(t, dict) and '"""' in t["messages"][1]["content"])
+    source = conv["messages"][1]["content"]
+    prompt = source[:source.index('"""', source.index('"""') + 3) + 3] + "\n"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
     return prompt, tokenizer.decode(out[0, ids.shape[1]:])
 
 

@@ -1,0 +1,181 @@
+"""`make bench`: the numbers the issues ask for, measured on the demo target, written to BENCHMARKS.md.
+
+1. capture throughput (tokens/s) against a plain target forward over the same batches;
+2. store bytes per token against SpecForge's layout (4·H bf16 values per token), bf16 and fp8,
+   and fp8's effect on the trained head's simulated acceptance;
+3. training tokens/s and peak memory for TTT k = 1, 3, 7;
+4. the runtime: tau and speedups from `draftsmith validate` on held-out prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import recipe as recipe_mod
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+
+
+def bench_capture(recipe, num_samples: int = 256) -> dict:
+    """Plain forward (with logits, as a user would run the target) vs our capture path incl. writing shards."""
+    from draftsmith.data import capture
+    from draftsmith.data.prepare import load_train
+    from draftsmith.data.target import load_target
+    dataset, data_manifest = load_train(recipe)
+    model = load_target(recipe)
+    cfg = model.config.get_text_config()
+    indices = list(range(min(num_samples, len(dataset))))
+    batches = list(capture._batches(dataset, indices, recipe.capture.batch_tokens))
+    padded = [capture.pad_batch(dataset[b]["input_ids"]) for b in batches]
+    num_tokens = sum(int(m.sum()) for _, m in padded)
+    with torch.no_grad():
+        model(*padded[0])  # warm-up
+        start = time.perf_counter()
+        for ids, mask in padded:
+            model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device))
+        plain = time.perf_counter() - start
+    results = {"num_tokens": num_tokens, "plain_tokens_per_s": num_tokens / plain}
+    for dtype in ("bf16", "fp8"):
+        spec = capture.make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest)
+        spec.dtype = dtype
+        extractor = capture.FeatureExtractor(model, spec.layer_ids)
+        with tempfile.TemporaryDirectory() as tmp:
+            writer = capture.ShardWriter(Path(tmp), 0, int(recipe.capture.shard_size_mb * 2**20), 0)
+            start = time.perf_counter()
+            for batch, (ids, mask) in zip(batches, padded):
+                aux, final = extractor(ids.to(model.device), mask.to(model.device))
+                for r, index in enumerate(batch):
+                    row = dataset[index]
+                    n = len(row["input_ids"])
+                    writer.add(index, capture.sample_record(ids[r, :n], torch.tensor(row["loss_mask"]), aux[r, :n].cpu(),
+                                                            final[r, :n].cpu(), dtype, capture.needed_length(row["loss_mask"])))
+            writer.flush()
+            seconds = time.perf_counter() - start
+            written = sum(p.stat().st_size for p in Path(tmp).glob("shard-*"))
+        results[dtype] = {"tokens_per_s": num_tokens / seconds, "ratio_vs_plain_forward": plain / seconds,
+                          "bytes_per_token": written / num_tokens,
+                          "ratio_vs_specforge": written / num_tokens / (4 * cfg.hidden_size * 2)}
+    results["hidden_size"] = cfg.hidden_size
+    return results
+
+
+def bench_train_k(recipe_path: str, overrides: list[str], k: int, steps: int) -> dict:
+    """One training run in a fresh process per k, so peak RSS belongs to that run alone."""
+    code = ("import json,resource,sys,time,torch; from draftsmith import recipe as R; from draftsmith.train.run import build_trainer;"
+            f"r=R.load({recipe_path!r}, {overrides!r} + ['head.ttt_steps={k}','train.max_steps={steps}']);"
+            "t=build_trainer(r); it=t.micro_batches(); t.train_step(next(it)); s=time.perf_counter(); n0=t.tokens;"
+            f"[t.train_step(next(it)) for _ in range({steps})]; dt=time.perf_counter()-s;"
+            "mem=torch.cuda.max_memory_allocated()/2**30 if torch.cuda.is_available() else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/2**20;"
+            "print(json.dumps({'tokens_per_s':(t.tokens-n0)/dt,'peak_memory_gb':mem}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_fp8_acceptance(recipe_path: str, overrides: list[str], steps: int) -> dict:
+    """Train the same head on a bf16 and an fp8 store; compare held-out simulated acceptance."""
+    from draftsmith.data.capture import run_capture
+    from draftsmith.train.run import build_trainer
+    out = {}
+    for dtype in ("bf16", "fp8"):
+        recipe = recipe_mod.load(recipe_path, overrides + [f"capture.dtype={dtype}", f"train.max_steps={steps}",
+                                                           f"name=bench-fp8-{dtype}", "train.save_every=100000",
+                                                           "train.eval_every=100000"])
+        _link_data(recipe, recipe_mod.load(recipe_path, overrides))
+        run_capture(recipe)
+        trainer = build_trainer(recipe)
+        final = trainer.run()
+        out[dtype] = {"eval_sim_accept_len": final.get("eval_sim_accept_len"), "eval_acc_0": final.get("eval_acc_0")}
+    return out
+
+
+def _link_data(recipe, source_recipe) -> None:
+    """Reuse the demo's data stage (same inputs hash) in a scratch run directory."""
+    import shutil
+    dst = recipe.run_dir / "data"
+    if not dst.exists():
+        recipe.run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source_recipe.run_dir / "data", dst)
+    shutil.rmtree(recipe.run_dir / "train", ignore_errors=True)  # always a fresh training run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith.bench")
+    parser.add_argument("--recipe", default="recipes/demo/stdlib-code-eagle3.yaml")
+    parser.add_argument("--out", default="BENCHMARKS.md")
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--fp8-steps", type=int, default=300)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    from draftsmith import stages
+    recipe = recipe_mod.load(args.recipe, args.overrides)
+    for stage in ("target", "data", "capture", "train", "validate"):
+        if not stages.is_current(stage, recipe):
+            stages.STAGE_FUNCS[stage](recipe)
+    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "recipe": args.recipe,
+               "capture": bench_capture(recipe),
+               "train": {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
+               "fp8_acceptance": bench_fp8_acceptance(args.recipe, args.overrides, args.fp8_steps),
+               "runtime": json.loads((recipe.run_dir / "validate" / "validation.json").read_text())}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
+    Path(args.out).write_text(render(results))
+    print(render(results))
+    return 0
+
+
+def render(r: dict) -> str:
+    cap, rt = r["capture"], r["runtime"]
+    lines = [f"# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
+             f"(the demo target: hidden size {cap['hidden_size']}). Regenerate with `make bench`.", "",
+             "## Hidden-state capture (issue #3)", "",
+             "| | tokens/s | vs plain forward | bytes/token | vs SpecForge (4·H bf16) |", "|---|---|---|---|---|",
+             f"| plain target forward (logits) | {cap['plain_tokens_per_s']:.0f} | 1.00x | | |"]
+    for dtype in ("bf16", "fp8"):
+        c = cap[dtype]
+        lines.append(f"| capture, {dtype} store | {c['tokens_per_s']:.0f} | {c['ratio_vs_plain_forward']:.2f}x | "
+                     f"{c['bytes_per_token']:.0f} | {c['ratio_vs_specforge']:.2f}x |")
+    fp8 = r["fp8_acceptance"]
+    lines += ["", "Goals: capture >= 0.9x of a plain forward; <= 0.5x SpecForge's bytes without fp8, <= 0.25x with fp8.", "",
+              f"fp8 effect on the trained head (same steps, held-out simulated acceptance length): "
+              f"bf16 store {fp8['bf16']['eval_sim_accept_len']:.3f} (acc_0 {fp8['bf16']['eval_acc_0']:.3f}), "
+              f"fp8 store {fp8['fp8']['eval_sim_accept_len']:.3f} (acc_0 {fp8['fp8']['eval_acc_0']:.3f}).", "",
+              "## Training (issue #4)", "", "| TTT steps k | tokens/s | peak memory (GB) |", "|---|---|---|"]
+    for k, t in r["train"].items():
+        lines.append(f"| {k} | {t['tokens_per_s']:.0f} | {t['peak_memory_gb']:.2f} |")
+    lines += ["", "Peak memory is the process's peak RSS on CPU (model, data and Python included), CUDA max allocated on GPU.", "",
+              "## Runtime (issue #5)", "",
+              f"Held-out prompts: {rt['num_prompts']}, up to {rt['max_new_tokens']} new tokens, temperature 0, "
+              f"tree {rt['tree']}, {rt['device']} {rt['dtype']}.", "",
+              "| metric | value | goal |", "|---|---|---|",
+              f"| tau (tokens per target forward, bonus included) | {rt['tau']:.2f} | >= 2.5 |",
+              f"| speculative vs plain decoding (same runtime) | {rt['speedup_vs_plain']:.2f}x | >= 1.5x |",
+              f"| speculative vs HF generate | {rt['speedup_vs_hf_generate']:.2f}x | >= 2x |",
+              f"| plain / speculative / HF generate tokens/s | {rt['plain_tokens_per_s']:.0f} / {rt['spec_tokens_per_s']:.0f} / "
+              f"{rt['hf_generate_tokens_per_s']:.0f} | |",
+              f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
+              f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
+              f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Shared fixtures: the micro target is built once per session (deterministic: a step budget,
+not a time budget), and one micro pipeline (data -> capture -> train) serves many tests."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import recipe as recipe_mod
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+MICRO = ROOT / "recipes" / "demo" / "micro-eagle3.yaml"
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def micro_recipe(out_dir: Path, target_dir: Path, *overrides: str) -> recipe_mod.Recipe:
+    """The micro recipe pointed at a session target and a per-test output directory."""
+    base = [f"out_dir={out_dir}", f"target.model={target_dir}", "target.embedded.train_seconds=600",
+            "target.embedded.max_steps=150"]
+    return recipe_mod.load(MICRO, base + list(overrides))
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("draftsmith")
+
+
+@pytest.fixture(scope="session")
+def micro_target(session_dir) -> Path:
+    from draftsmith.data.target import build_embedded_target
+    target_dir = session_dir / "targets" / "micro"
+    recipe = micro_recipe(session_dir / "runs", target_dir)
+    build_embedded_target(recipe, target_dir, recipe.data.heldout_fraction)
+    return target_dir
+
+
+@pytest.fixture(scope="session")
+def micro_pipeline(session_dir, micro_target):
+    """data -> capture -> train on the micro target; returns the recipe."""
+    from draftsmith.data.capture import run_capture
+    from draftsmith.data.prepare import run_data
+    from draftsmith.train.run import run_train
+    recipe = micro_recipe(session_dir / "runs", micro_target)
+    run_data(recipe)
+    run_capture(recipe)
+    run_train(recipe)
+    return recipe
+
+
+@pytest.fixture
+def tokenizer(micro_target):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(micro_target)
+
+
+def template(name: str) -> str:
+    return (FIXTURES / "templates" / f"{name}.jinja").read_text().strip()
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def copy_target(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

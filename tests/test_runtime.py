@@ -1,0 +1,250 @@
+"""The runtime: exactness against plain greedy decoding, scripted stub drafters, lossless
+sampling (statistical), tree invariants (hypothesis)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
+from draftsmith.runtime.draft import Eagle3Drafter, TreeConfig
+from draftsmith.runtime.generate import plain_generate, speculative_generate
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.tree import Tree, ancestor_mask, assemble_tree, chain_tree, static_tree
+from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_sampling
+
+GREEDY = SamplingConfig()
+LAYERS = [2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    return model, TargetRunner(model, 256, LAYERS)
+
+
+def random_head(model, draft_vocab=48, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head(draft_config_from_target(model.config, draft_vocab, LAYERS)).eval()
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(model.config.vocab_size)[:draft_vocab]] = True
+    head.set_vocab(t2d.nonzero().flatten() - torch.arange(draft_vocab), t2d)
+    head.load_target_embedding(model.get_input_embeddings().weight)
+    return head
+
+
+class ScriptedDrafter:
+    """Proposes chains from a known continuation: `always` right, `never` right, or right for the
+    first `partial` tokens of each round then wrong; siblings are wrong tokens."""
+
+    def __init__(self, oracle: list[int], mode: str, depth: int, vocab: int, partial: int = 2, width: int = 2):
+        self.oracle, self.mode, self.depth, self.vocab, self.partial, self.width = oracle, mode, depth, vocab, partial, width
+        self.emitted = 0
+
+    def reset(self):
+        self.emitted = 0
+
+    def extend(self, tokens, aux):
+        self.emitted += len(tokens)
+
+    def draft_tree(self, root):
+        start = self.emitted - self.prompt_len + 1  # next oracle index after the root
+        right = self.oracle[start:start + self.depth]
+        right += [0] * (self.depth - len(right))
+        good = {"always": self.depth, "never": 0, "partial": self.partial}[self.mode]
+        chain = [t if i < good else (t + 1) % self.vocab for i, t in enumerate(right)]
+        tokens, parent, depth = [int(root)], [-1], [0]
+        for i, t in enumerate(chain):
+            tokens.append(t)
+            parent.append(len(tokens) - 2 if i == 0 else tokens_index)
+            tokens_index = len(tokens) - 1
+            depth.append(i + 1)
+            for w in range(1, self.width):  # wrong siblings hanging off the same parent
+                tokens.append((t + 1 + w) % self.vocab)
+                parent.append(parent[-1])
+                depth.append(i + 1)
+        parent_t, depth_t = torch.tensor(parent), torch.tensor(depth)
+        return Tree(torch.tensor(tokens), parent_t, depth_t, ancestor_mask(parent_t, depth_t))
+
+
+@pytest.mark.parametrize("mode,expected", [("always", 5), ("never", 0), ("partial", 2)])
+def test_scripted_stub_drafters(tiny, mode, expected):
+    model, runner = tiny
+    prompt = torch.randint(0, 96, (9,))
+    base = plain_generate(runner, prompt, 30, GREEDY, set())
+    stub = ScriptedDrafter(base.tokens, mode, depth=5, vocab=96)
+    stub.prompt_len = len(prompt)
+    spec = speculative_generate(runner, stub, prompt, 30, GREEDY, set())
+    assert spec.tokens == base.tokens
+    assert all(a == expected for a in spec.accept_lengths[:-1])  # the last round may be cut by max tokens
+
+
+@pytest.mark.parametrize("depth,top_k,nodes", [(1, 1, 2), (3, 2, 6), (4, 4, 16), (6, 8, 40), (2, 10, 60)])
+def test_greedy_speculative_equals_plain_greedy(tiny, depth, top_k, nodes):
+    model, runner = tiny
+    head = random_head(model, seed=depth)
+    drafter = Eagle3Drafter(head, 256, TreeConfig(depth, top_k, nodes))
+    for seed in range(6):
+        prompt = torch.randint(0, 96, (3 + 5 * seed,), generator=torch.Generator().manual_seed(seed))
+        base = plain_generate(runner, prompt, 40, GREEDY, set())
+        spec = speculative_generate(runner, drafter, prompt, 40, GREEDY, set())
+        assert spec.tokens == base.tokens
+        hf = model.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+        assert base.tokens == hf
+
+
+def test_plain_runtime_matches_huggingface_logits(tiny):
+    model, runner = tiny
+    prompt = torch.randint(0, 96, (12,))
+    runner.reset()
+    logits, _, _ = runner.prefill(prompt)
+    torch.testing.assert_close(logits, model(prompt[None]).logits[0].float(), atol=1e-5, rtol=1e-5)
+
+
+def test_eos_inside_accepted_block_stops_output(tiny):
+    model, runner = tiny
+    prompt = torch.randint(0, 96, (9,))
+    base = plain_generate(runner, prompt, 30, GREEDY, set())
+    eos = base.tokens[7]
+    stub = ScriptedDrafter(base.tokens, "always", depth=5, vocab=96)
+    stub.prompt_len = len(prompt)
+    spec = speculative_generate(runner, stub, prompt, 30, GREEDY, {eos})
+    assert spec.tokens == base.tokens[:base.tokens.index(eos) + 1]
+    assert plain_generate(runner, prompt, 30, GREEDY, {eos}).tokens == spec.tokens
+
+
+def test_max_new_tokens_cuts_inside_a_block(tiny):
+    model, runner = tiny
+    prompt = torch.randint(0, 96, (9,))
+    base = plain_generate(runner, prompt, 11, GREEDY, set())
+    stub = ScriptedDrafter(plain_generate(runner, prompt, 40, GREEDY, set()).tokens, "always", depth=5, vocab=96)
+    stub.prompt_len = len(prompt)
+    assert speculative_generate(runner, stub, prompt, 11, GREEDY, set()).tokens == base.tokens
+
+
+# ---------------------------------------------------------------- lossless sampling
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - probs).abs().sum().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_sampling_follows_target_distribution_on_toy(seed):
+    """One target distribution at the root; children are deterministic drafts (good and bad ones).
+    The first emitted token must be distributed as the processed target distribution."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 8
+    logits = torch.randn(4, vocab, generator=gen) * 2
+    cfg = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
+    p = processed_probs(logits[0], cfg)
+    children = torch.argsort(p, descending=True)[[0, 3, 7]]  # a likely, a middling and an impossible draft
+    tree = Tree(torch.cat([torch.tensor([0]), children]), torch.tensor([-1, 0, 0, 0]), torch.tensor([0, 1, 1, 1]),
+                ancestor_mask(torch.tensor([-1, 0, 0, 0]), torch.tensor([0, 1, 1, 1])))
+    counts = torch.zeros(vocab)
+    for _ in range(20000):
+        path, bonus = verify_sampling(tree, logits, cfg, gen)
+        first = tree.tokens_N[path[1]] if len(path) > 1 else bonus
+        counts[first] += 1
+    expected_counts = p * counts.sum()
+    seen = expected_counts > 0
+    chi2 = (((counts - expected_counts) ** 2)[seen] / expected_counts[seen]).sum().item()
+    assert counts[~seen].sum() == 0          # never emits what top-k/top-p removed
+    assert chi2 < 30.0                       # dof <= 5: p-value far below 1e-4 at this bound
+    assert _tv(counts, p) < 0.02
+
+
+def test_sampled_speculative_matches_plain_sampling_on_model(tiny):
+    """Distribution of the first two generated tokens, speculative vs the target's own (exact) joint."""
+    model, runner = tiny
+    head = random_head(model, draft_vocab=96, seed=3)
+    drafter = Eagle3Drafter(head, 256, TreeConfig(3, 4, 10))
+    cfg = SamplingConfig(temperature=1.0, top_k=5)
+    prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        p1 = processed_probs(model(prompt[None]).logits[0, -1], cfg)
+    support = torch.nonzero(p1).flatten().tolist()
+    joint = {}
+    for a in support:
+        with torch.no_grad():
+            p2 = processed_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
+        for b in torch.nonzero(p2).flatten().tolist():
+            joint[(a, b)] = (p1[a] * p2[b]).item()
+    gen = torch.Generator().manual_seed(0)
+    counts = {}
+    n = 3000
+    for _ in range(n):
+        out = speculative_generate(runner, drafter, prompt, 2, cfg, set(), gen).tokens
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    assert set(counts) <= set(joint)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in joint.items())
+    assert tv < 0.06   # 25 outcomes, 3000 samples: sampling noise alone gives ~0.03
+
+
+# ---------------------------------------------------------------- tree invariants
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(2, 30), st.integers(0, 10_000))
+def test_assembled_trees_are_ancestor_closed(depth, top_k, num_nodes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    tokens, parents, scores, depths = [], [], [], []
+    frontier = [(-1, 0.0)]
+    for d in range(1, depth + 1):
+        new = []
+        for parent, score in frontier:
+            logp = torch.log_softmax(torch.randn(top_k, generator=gen), -1)
+            if seed % 3 == 0:
+                logp = torch.zeros(top_k)  # ties: children equal to their parent's score
+            for lp in logp.tolist():
+                tokens.append(len(tokens))
+                parents.append(parent)
+                scores.append(score + lp)
+                depths.append(d)
+                new.append((len(tokens) - 1, score + lp))
+        frontier = sorted(new, key=lambda x: -x[1])[:top_k]
+    tree = assemble_tree(torch.tensor(99), torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
+                         torch.tensor(depths), num_nodes)
+    n = len(tree)
+    assert n == min(num_nodes, len(tokens) + 1)
+    assert tree.parent_N[0] == -1 and tree.depth_N[0] == 0
+    for i in range(1, n):
+        p = int(tree.parent_N[i])
+        assert 0 <= p < i                                       # topological order, parent present
+        assert tree.depth_N[i] == tree.depth_N[p] + 1
+        expected = tree.mask_NN[p].clone()
+        expected[i] = True
+        assert torch.equal(tree.mask_NN[i], expected)           # mask = self + ancestors
+
+
+def test_static_tree_from_choices_and_chain():
+    topk = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    tree = static_tree(torch.tensor(1), [[0], [1], [0, 0], [0, 1], [0, 0, 2]], topk)
+    assert tree.tokens_N.tolist() == [1, 10, 11, 20, 21, 32]
+    assert tree.parent_N.tolist() == [-1, 0, 0, 1, 1, 3]
+    assert tree.depth_N.tolist() == [0, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match="lacks its parent"):
+        static_tree(torch.tensor(1), [[0, 1]], topk)
+    chain = chain_tree(torch.tensor(5), torch.tensor([6, 7]))
+    assert chain.mask_NN.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_greedy_verify_on_hand_built_tree():
+    #        0
+    #      /   \
+    #     1(a)  2(b)
+    #     |
+    #     3(c)
+    parent = torch.tensor([-1, 0, 0, 1])
+    depth = torch.tensor([0, 1, 1, 2])
+    tree = Tree(torch.tensor([9, 4, 5, 6]), parent, depth, ancestor_mask(parent, depth))
+    logits = torch.full((4, 10), -5.0)
+    logits[0, 5] = 5  # target wants b after the root
+    logits[2, 7] = 5  # and 7 after b
+    path, bonus = verify_greedy(tree, logits)
+    assert path.tolist() == [0, 2] and bonus.item() == 7
+    logits[0, 4], logits[0, 5], logits[1, 6], logits[3, 8] = 9, 5, 5, 5
+    path, bonus = verify_greedy(tree, logits)
+    assert path.tolist() == [0, 1, 3] and bonus.item() == 8

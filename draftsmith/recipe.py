@@ -71,6 +71,7 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)
     builtin: str | None = None
     system_prompt: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_length: int = 2048
     overflow: str = "truncate"
     bad_lines: str = "skip"

@@ -36,7 +36,8 @@ def stage_capture(recipe: Recipe, args=None):
         return f"{capture.capture_dir(recipe)}: every shard matches its checksum"
     if recipe.capture.mode == "online":
         return "capture.mode=online: the trainer runs the target in-process; nothing to store"
-    return capture.run_capture(recipe, dry_run=bool(args is not None and getattr(args, "dry_run", False)))
+    result = capture.run_capture(recipe, dry_run=bool(args is not None and getattr(args, "dry_run", False)))
+    return {k: v for k, v in result.items() if k != "shards"} | ({"num_shards": len(result["shards"])} if "shards" in result else {})
 
 
 def stage_train(recipe: Recipe, args=None):
@@ -79,7 +80,8 @@ def is_current(stage: str, recipe: Recipe) -> bool:
     if stage == "target":
         if recipe.target.embedded is None:
             return True
-        return artifacts.stage_is_current(recipe.target.model, "target", recipe.section_hash("target"))
+        from draftsmith.data.target import embedded_inputs_hash
+        return artifacts.stage_is_current(recipe.target.model, "target", embedded_inputs_hash(recipe))
     if stage == "data":
         current = artifacts.stage_is_current(prepare.data_dir(recipe), "data", prepare.inputs_hash(recipe))
         return current and artifacts.read_json(prepare.data_dir(recipe) / artifacts.MANIFEST).get(

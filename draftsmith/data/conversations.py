@@ -31,10 +31,15 @@ class SkipCounter:
         self.examples.setdefault(reason, where)
 
 
-def normalize(record: dict, where: str) -> dict:
+FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}
+
+
+def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
     """One record in any supported form -> {"id", "messages"} or {"id", "text"}."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if fmt != "auto" and FORMAT_KEYS[fmt] not in record:
+        raise DataError(f"{where}: format {fmt!r} expects a {FORMAT_KEYS[fmt]!r} key (found {sorted(record)})")
     rid = str(record.get("id", where))
     if "text" in record and isinstance(record["text"], str) and "messages" not in record:
         return {"id": rid, "text": record["text"]}
@@ -102,6 +107,13 @@ def _read_hf(path: str):
         yield f"{path}[{index}]", item
 
 
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The one place conversations become text: the tokenizer's chat template, with the recipe's
+    `data.chat_template_kwargs` (e.g. enable_thinking) that `load_tokenizer` attached."""
+    extra = getattr(tokenizer, "draftsmith_template_kwargs", None) or {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+
+
 def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
     """Character spans of each assistant turn in `text`, end-of-turn token included.
 
@@ -111,8 +123,8 @@ def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[in
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[:index + 1], tokenize=False)
+        prompt = render(tokenizer, messages[:index], generation_prompt=True)
+        upto = render(tokenizer, messages[:index + 1])
         if upto.startswith(prompt) and text.startswith(upto):
             start, end = len(prompt), len(upto.rstrip())
         else:  # templates that rewrite history (e.g. dropping old reasoning): locate what is rendered
@@ -143,7 +155,7 @@ def encode_conversation(tokenizer, conv: dict, system_prompt: str | None) -> tup
     messages = conv["messages"]
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < end and e > start for start, end in spans)) if e > s else 0

@@ -41,7 +41,7 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
         for where, record in conv.read_records(source.path, cfg.bad_lines, skips):
             num_read += 1
             try:
-                item = conv.normalize(record, where)
+                item = conv.normalize(record, where, source.format)
             except conv.DataError:
                 if cfg.bad_lines == "fail":
                     raise
@@ -49,9 +49,10 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
                 continue
             (heldout if _split_heldout(item["id"], cfg.heldout_fraction) else train).append(item)
     num_read += skips.reasons["malformed_json"]  # lines that never became a record
-    if cfg.max_conversations is not None:
+    if cfg.max_conversations is not None and len(train) > cfg.max_conversations:
         rng = random.Random(recipe.seed)
         rng.shuffle(train)
+        skips.reasons["over_max_conversations"] += len(train) - cfg.max_conversations
         train = train[:cfg.max_conversations]
     return train, heldout, num_read
 
@@ -96,7 +97,8 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
     regen_counts = None
     if regen if regen is not None else recipe.data.regen.enabled:
         from draftsmith.data.regen import regenerate
-        train, regen_counts = regenerate(recipe, tokenizer, train, out / "regen.jsonl")
+        # keyed by the target's fingerprint: answers of another (or retrained) target are never reused
+        train, regen_counts = regenerate(recipe, tokenizer, train, out / f"regen-{target_fingerprint(recipe.target.model)}.jsonl")
     columns = encode_all(recipe, tokenizer, train, skips)
     with artifacts.atomic_path(out / "train") as tmp:
         datasets.Dataset.from_dict(columns).save_to_disk(str(tmp))

@@ -28,7 +28,8 @@ def _load_done(path: Path) -> dict[str, dict]:
 
 @torch.no_grad()
 def _answer(model, tokenizer, histories: list[list[dict]], cfg) -> list[str]:
-    prompts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
+    from draftsmith.data.conversations import render
+    prompts = [render(tokenizer, h, generation_prompt=True) for h in histories]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     sample = cfg.temperature > 0
@@ -63,6 +64,8 @@ def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> 
     counts["skipped"] = sum(1 for c in items if "messages" not in c)
     model = load_target(recipe) if todo else None
     with open(out_path, "a", encoding="utf-8") as handle:
+        if out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
+            handle.write("\n")  # close a line torn by a kill, so new records start clean
         for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch"):
             batch = todo[start:start + cfg.batch_size]
             try:

@@ -47,6 +47,23 @@ def read_source(module: Module) -> str:
         return ""
 
 
+def function_sources(module: Module, max_chars: int = 2400) -> list[str]:
+    """Every top-level or method function's source, dedented: the unit the demo is about."""
+    source = read_source(module)
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    bodies = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
+            if 40 <= len(body) <= max_chars:
+                bodies.append(body + "\n")
+    return bodies
+
+
 def function_conversations(module: Module, max_chars: int = 1600) -> list[dict]:
     """One conversation per documented function: the user gives signature and docstring,
     the assistant answers with the function's source."""

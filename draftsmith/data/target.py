@@ -23,6 +23,11 @@ DEMO_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BUILDER_VERSION = 2  # bump when the embedded target's corpus or training changes: cached targets rebuild
+
+
+def embedded_inputs_hash(recipe: Recipe) -> str:
+    return f"{recipe.section_hash('target')}-v{BUILDER_VERSION}"
 
 
 def pick_device() -> torch.device:
@@ -60,6 +65,7 @@ def load_tokenizer(recipe: Recipe):
     tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
     if recipe.target.chat_template:
         tokenizer.chat_template = recipe.target.chat_template
+    tokenizer.draftsmith_template_kwargs = dict(recipe.data.chat_template_kwargs)
     return tokenizer
 
 
@@ -76,23 +82,25 @@ def load_target(recipe: Recipe, device: torch.device | None = None):
 
 # ---------------------------------------------------------------- the embedded default
 
-def _corpus(cfg: EmbeddedTargetConfig, heldout_fraction: float) -> tuple[list[str], list[str]]:
-    """Raw module sources and chat-form conversations, split by module into train and held-out."""
+def _corpus(cfg: EmbeddedTargetConfig, heldout_fraction: float) -> tuple[list, list]:
+    """Function sources and chat-form conversations (the demo's domain), split by module into
+    train and held-out; `chat_fraction` of the documents are conversations."""
     rng = random.Random(cfg.seed)
-    train, heldout, budget = [], [], cfg.corpus_mb * 1e6
+    train, heldout, size = [], [], 0
     modules = stdlib.list_modules()
     rng.shuffle(modules)
     for module in modules:
-        text = stdlib.read_source(module)
-        if not text:
+        held = stdlib.is_heldout(module.name, heldout_fraction)
+        if not held and size > cfg.corpus_mb * 1e6:
             continue
-        target = heldout if stdlib.is_heldout(module.name, heldout_fraction) else train
-        if target is train and sum(map(len, train)) > budget:
-            continue
-        target.append(text)
+        target = heldout if held else train
+        for body in stdlib.function_sources(module):
+            target.append(body)
+            size += len(body) * (not held)
         for conv in stdlib.function_conversations(module):
             if rng.random() < cfg.chat_fraction:
                 target.append(conv)
+    rng.shuffle(train)
     return train, heldout
 
 
@@ -117,7 +125,7 @@ def _encode_stream(tokenizer, items: list) -> torch.Tensor:
         if isinstance(item, dict):
             ids += tokenizer.apply_chat_template(item["messages"], tokenize=True, return_dict=False)
         else:
-            ids += [tokenizer.bos_token_id] + tokenizer(item, add_special_tokens=False)["input_ids"]
+            ids += [tokenizer.bos_token_id] + tokenizer(item, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -135,7 +143,7 @@ def build_embedded_target(recipe: Recipe, out_dir: str | Path, heldout_fraction:
     cfg = recipe.target.embedded
     torch.manual_seed(cfg.seed)
     train_items, heldout_items = _corpus(cfg, heldout_fraction)
-    tokenizer = _train_tokenizer([t if isinstance(t, str) else t["messages"][1]["content"] for t in train_items],
+    tokenizer = _train_tokenizer([t if isinstance(t, str) else t["messages"][0]["content"] for t in train_items],
                                  cfg.vocab_size)
     train_stream = _encode_stream(tokenizer, train_items)
     heldout_stream = _encode_stream(tokenizer, [t for t in heldout_items if isinstance(t, str)])
@@ -162,7 +170,7 @@ def build_embedded_target(recipe: Recipe, out_dir: str | Path, heldout_fraction:
               "train_seconds": round(seconds, 1), "train_tokens": steps * cfg.batch_size * cfg.seq_len,
               "heldout_loss": round(loss, 4), "heldout_perplexity": round(math.exp(loss), 3),
               "sample_prompt": sample[0], "sample_continuation": sample[1]}
-    artifacts.write_manifest(out_dir, "target", recipe.section_hash("target"), **report)
+    artifacts.write_manifest(out_dir, "target", embedded_inputs_hash(recipe), **report)
     return report
 
 
@@ -192,17 +200,14 @@ def _train_lm(model, stream: torch.Tensor, cfg: EmbeddedTargetConfig) -> tuple[i
     return step, time.perf_counter() - start
 
 
-def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 64) -> tuple[str, str]:
-    """Greedy continuation of a held-out function's signature and docstring, to eyeball that it is Python."""
-    conv = next(t for t in heldout_items if isinstance(t, dict) and '"""' in t["messages"][1]["content"])
-    source = conv["messages"][1]["content"]
-    prompt = source[:source.index('"""', source.index('"""') + 3) + 3] + "\n"
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 96) -> tuple[str, str]:
+    """The target's greedy answer to a held-out chat prompt, to eyeball that it writes Python."""
+    conv = next(t for t in heldout_items if isinstance(t, dict))
+    ids = tokenizer.apply_chat_template(conv["messages"][:1], add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-    return prompt, tokenizer.decode(out[0, ids.shape[1]:])
+        out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return conv["messages"][0]["content"], tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def target_report(model_dir: str | Path) -> dict:

@@ -43,6 +43,7 @@ def validation_is_current(recipe: Recipe) -> bool:
 
 def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[torch.Tensor]:
     """Held-out conversations up to their first assistant turn, rendered with the chat template."""
+    from draftsmith.data.conversations import render
     from draftsmith.data.prepare import load_heldout
     prompts = []
     for conv in load_heldout(recipe):
@@ -54,7 +55,7 @@ def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[torch.Te
         messages = conv["messages"][:first]
         if recipe.data.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render(tokenizer, messages, generation_prompt=True)
         prompts.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
         if len(prompts) >= limit:
             break

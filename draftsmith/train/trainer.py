@@ -40,7 +40,9 @@ def make_accelerator(recipe: Recipe):
     kwargs = {}
     if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # a launch config decides when it says so
         kwargs["mixed_precision"] = "bf16" if torch.cuda.is_available() else "no"
-    accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, **kwargs)
+    # the schedule is counted in optimizer steps of this process, whatever the world size
+    accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, step_scheduler_with_optimizer=False,
+                              **kwargs)
     ds = accelerator.state.deepspeed_plugin
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.batch_size
@@ -111,7 +113,8 @@ class Trainer:
             if self.accelerator.sync_gradients:
                 grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
-            self.scheduler.step()
+            if self.accelerator.sync_gradients:
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.micro_step += 1
         self.tokens += int(batch["input_ids"].numel())

@@ -1,0 +1,33 @@
+"""Regeneration: assistant turns replaced by the target's own answers, counted, resumable."""
+import json
+
+from conftest import micro_recipe
+from draftsmith.data.regen import regenerate
+
+
+def _convs(n):
+    return [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Write function number {i}."},
+                                         {"role": "assistant", "content": "original answer"},
+                                         {"role": "user", "content": "And again?"},
+                                         {"role": "assistant", "content": "second original"}]} for i in range(n)] + [
+        {"id": "t", "text": "preformatted text is kept as it is"}]
+
+
+def test_regenerate_counts_and_resume(tmp_path, micro_target, tokenizer):
+    recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=6", "data.regen.batch_size=3")
+    out = tmp_path / "regen.jsonl"  # the data stage names it by target fingerprint
+    items = _convs(5)
+    result, counts = regenerate(recipe, tokenizer, items, out)
+    assert counts == {"input": 6, "regenerated": 5, "reused": 0, "skipped": 1, "failed": 0}
+    assert [r["id"] for r in result] == [c["id"] for c in items]
+    for new, old in zip(result[:5], items[:5]):
+        assert [m["role"] for m in new["messages"]] == [m["role"] for m in old["messages"]]
+        assert new["messages"][0] == old["messages"][0] and new["messages"][2] == old["messages"][2]
+        assert new["messages"][1]["content"] != "original answer"
+    # a kill mid-write leaves a torn last line: that conversation is redone, the others reused
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])
+    again, counts = regenerate(recipe, tokenizer, items + _convs(7)[5:7], out)
+    assert counts == {"input": 8, "regenerated": 4, "reused": 3, "skipped": 1, "failed": 0}
+    assert again[0] == result[0]
+    assert len({json.loads(l)["id"] for l in out.read_text().splitlines() if l.startswith("{") and l.endswith("}")}) >= 7

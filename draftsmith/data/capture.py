@@ -280,7 +280,7 @@ def run_capture(recipe: Recipe, dry_run: bool = False) -> dict:
                                              if e["file"].startswith(f"shard-r{state.process_index:03d}")), default=-1))
     extractor = FeatureExtractor(model, spec.layer_ids)
     total = sum(len(dataset[i]["input_ids"]) for i in mine)
-    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, disable=not state.is_main_process)
+    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=not state.is_main_process)
     for batch in _batches(dataset, mine, recipe.capture.batch_tokens):
         rows = dataset[batch]
         ids, attn = pad_batch(rows["input_ids"])

@@ -66,7 +66,7 @@ def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> 
     with open(out_path, "a", encoding="utf-8") as handle:
         if out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
             handle.write("\n")  # close a line torn by a kill, so new records start clean
-        for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch"):
+        for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch", mininterval=2.0):
             batch = todo[start:start + cfg.batch_size]
             try:
                 results = _regenerate_batch(model, tokenizer, batch, cfg)

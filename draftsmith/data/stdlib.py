@@ -83,9 +83,10 @@ def function_conversations(module: Module, max_chars: int = 1600) -> list[dict]:
         body = textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
         if not 80 <= len(body) <= max_chars:
             continue
-        signature = body.split(":\n", 1)[0].splitlines()[-1] if ":\n" in body else body.splitlines()[0]
+        header = body[body.index("def "):].split(":\n", 1)[0] if "def " in body else body.splitlines()[0]
+        signature = " ".join(header.split())  # a multi-line signature on one line
         prompt = (f"Write the function `{node.name}` from the Python module `{module.name}`.\n"
-                  f"Signature: {signature.strip()}\nDocstring: {doc.strip().splitlines()[0]}")
+                  f"Signature: {signature}\nDocstring: {doc.strip().splitlines()[0]}")
         conversations.append({
             "id": f"{module.name}:{node.name}:{node.lineno}",
             "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": body}],

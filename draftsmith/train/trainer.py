@@ -125,7 +125,7 @@ class Trainer:
 
     def run(self, kill_at_step: int | None = None) -> dict:
         from tqdm import tqdm
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", mininterval=2.0,
                    disable=not self.accelerator.is_main_process)
         started, last = time.perf_counter(), {}
         for indices in self.micro_batches():

@@ -35,7 +35,7 @@ class EmbeddedTargetConfig:
     batch_size: int = 16
     lr: float = 1.5e-3
     train_seconds: float = 240.0
-    max_steps: int = 100000
+    max_steps: int | None = None  # set it for a bit-for-bit reproducible target (schedule by steps)
     corpus_mb: float = 6.0
     chat_fraction: float = 0.3
     seed: int = 0

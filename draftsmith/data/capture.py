@@ -259,7 +259,7 @@ def run_capture(recipe: Recipe, dry_run: bool = False) -> dict:
     from accelerate import PartialState
     from draftsmith.data.prepare import load_train
     from draftsmith.data.target import load_target
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # gloo across CPU processes when there is no GPU
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe, state.device)
     cfg = model.config.get_text_config()

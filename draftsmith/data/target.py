@@ -180,9 +180,11 @@ def _train_lm(model, stream: torch.Tensor, cfg: EmbeddedTargetConfig) -> tuple[i
     start, step = time.perf_counter(), 0
     bar = tqdm(total=int(cfg.train_seconds), desc="target", unit="s", mininterval=2.0, bar_format="{l_bar}{bar}| {n}/{total}s {postfix}")
     model.train()
-    while step < cfg.max_steps and (elapsed := time.perf_counter() - start) < cfg.train_seconds:
-        # cosine decay over the time budget, since the step count is not known in advance
-        lr = cfg.lr * (min(1.0, (step + 1) / 50)) * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / cfg.train_seconds)))
+    max_steps = cfg.max_steps or 10**9
+    while step < max_steps and (elapsed := time.perf_counter() - start) < cfg.train_seconds:
+        # cosine decay over the step budget when there is one (reproducible), else over the time budget
+        progress = step / cfg.max_steps if cfg.max_steps else elapsed / cfg.train_seconds
+        lr = cfg.lr * (min(1.0, (step + 1) / 50)) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         for group in optimizer.param_groups:
             group["lr"] = max(lr, cfg.lr * 0.05)
         starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)

@@ -42,7 +42,7 @@ def make_accelerator(recipe: Recipe):
         kwargs["mixed_precision"] = "bf16" if torch.cuda.is_available() else "no"
     # the schedule is counted in optimizer steps of this process, whatever the world size
     accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, step_scheduler_with_optimizer=False,
-                              **kwargs)
+                              cpu=not torch.cuda.is_available(), **kwargs)
     ds = accelerator.state.deepspeed_plugin
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.batch_size

@@ -105,6 +105,9 @@ def run_all(recipe: Recipe) -> str:
             continue
         print(f"[draftsmith] {stage}: running", flush=True)
         t0 = time.perf_counter()
+        if stage == "train":
+            from draftsmith.train.trainer import set_aside_stale
+            set_aside_stale(recipe)
         STAGE_FUNCS[stage](recipe)
         timings[stage] = round(time.perf_counter() - t0, 1)
         forced = True

@@ -153,3 +153,17 @@ def test_two_process_first_step_matches_single_process(captured, tmp_path, confi
     trainer = build_trainer(single)
     rank0 = epoch_order(len(trainer.source), single.train.seed, 0, 0, 2, 2)[0]
     assert float(trainer.train_step(rank0)["loss"]) == pytest.approx(first, rel=1e-4)
+
+
+def test_wandb_tracker_runs_offline_without_a_key(tmp_path, monkeypatch):
+    from draftsmith import recipe as recipe_mod
+    from draftsmith.train.tracking import WandbTracker, make_tracker, NullTracker
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = recipe_mod.loads("name: wb\ntarget: {model: m}\ntrain: {tracking: {project: p, tags: [t1]}}")
+    tracker = make_tracker(recipe, tmp_path, is_main=True)
+    assert isinstance(tracker, WandbTracker)
+    tracker.log({"train/loss": 1.0}, step=1)
+    tracker.finish()
+    assert list(tmp_path.glob("wandb/offline-run-*"))
+    assert isinstance(make_tracker(recipe, tmp_path, is_main=False), NullTracker)

@@ -238,6 +238,17 @@ class Trainer:
         return True
 
 
+def set_aside_stale(recipe: Recipe) -> Path | None:
+    """`run` retrains when an upstream stage changed: keep the old checkpoints, but out of the way."""
+    done = complete_checkpoints(train_dir(recipe) / "checkpoints")
+    if not done or artifacts.read_json(done[-1] / "head" / "head.json").get("recipe_hash") == train_inputs_hash(recipe):
+        return None
+    aside = train_dir(recipe).with_name(f"train.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(train_dir(recipe), aside)
+    print(f"[draftsmith] checkpoints of an earlier recipe moved to {aside}", flush=True)
+    return aside
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.exists():
         return []

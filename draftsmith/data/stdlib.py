@@ -47,41 +47,31 @@ def read_source(module: Module) -> str:
         return ""
 
 
-def function_sources(module: Module, max_chars: int = 2400) -> list[str]:
-    """Every top-level or method function's source, dedented: the unit the demo is about."""
+def _functions(module: Module):
+    """Yield (node, dedented source) for every function and method of a module, in `ast.walk` order."""
     source = read_source(module)
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return []
+        return
     lines = source.splitlines()
-    bodies = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
-            if 40 <= len(body) <= max_chars:
-                bodies.append(body + "\n")
-    return bodies
+            yield node, textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
+
+
+def function_sources(module: Module, max_chars: int = 2400) -> list[str]:
+    """Every top-level or method function's source, dedented: the unit the demo is about."""
+    return [body + "\n" for _, body in _functions(module) if 40 <= len(body) <= max_chars]
 
 
 def function_conversations(module: Module, max_chars: int = 1600) -> list[dict]:
     """One conversation per documented function: the user gives signature and docstring,
     the assistant answers with the function's source."""
-    source = read_source(module)
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    lines = source.splitlines()
     conversations = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
+    for node, body in _functions(module):
         doc = ast.get_docstring(node)
-        if not doc or node.name.startswith("__"):
-            continue
-        body = textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
-        if not 80 <= len(body) <= max_chars:
+        if not doc or node.name.startswith("__") or not 80 <= len(body) <= max_chars:
             continue
         header = body[body.index("def "):].split(":\n", 1)[0] if "def " in body else body.splitlines()[0]
         signature = " ".join(header.split())  # a multi-line signature on one line

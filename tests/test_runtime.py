@@ -248,3 +248,17 @@ def test_greedy_verify_on_hand_built_tree():
     logits[0, 4], logits[0, 5], logits[1, 6], logits[3, 8] = 9, 5, 5, 5
     path, bonus = verify_greedy(tree, logits)
     assert path.tolist() == [0, 1, 3] and bonus.item() == 8
+
+
+@pytest.mark.slow
+def test_compiled_fixed_shape_steps_trace_and_stay_exact(tiny):
+    """The CUDA-graph path compiles the draft step and the fixed-size verify with torch.compile. Here
+    dynamo traces the very same functions (eager backend, CPU): they must compile and stay exact."""
+    model, plain_runner = tiny
+    runner = TargetRunner(model, 256, LAYERS, compile_mode="eager")
+    drafter = Eagle3Drafter(random_head(model, seed=5), 256, TreeConfig(3, 2, 6), compile_mode="eager")
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (7 + seed,), generator=torch.Generator().manual_seed(seed))
+        base = plain_generate(plain_runner, prompt, 16, GREEDY, set())
+        assert speculative_generate(runner, drafter, prompt, 16, GREEDY, set()).tokens == base.tokens
+        assert plain_generate(runner, prompt, 16, GREEDY, set()).tokens == base.tokens

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.runtime.compile import maybe_compile
 from draftsmith.runtime.tree import Tree, assemble_tree
 
 
@@ -28,7 +29,7 @@ def _attend(q, k, v, allowed_NL: torch.Tensor):
 
 
 class Eagle3Drafter:
-    def __init__(self, head, max_len: int, tree: TreeConfig):
+    def __init__(self, head, max_len: int, tree: TreeConfig, compile_mode: str | None = "auto"):
         self.head, self.tree_cfg, self.max_len = head, tree, max_len
         cfg = head.config
         p = next(head.parameters())
@@ -37,6 +38,7 @@ class Eagle3Drafter:
         self.v = torch.zeros_like(self.k)
         self.device, self.length = p.device, 0
         self.h_last = self.logits_last = None
+        self.step_fn = maybe_compile(self._step_static, compile_mode, self.device, (self.k, self.v))
 
     def reset(self) -> None:
         self.length = 0
@@ -59,23 +61,30 @@ class Eagle3Drafter:
         self.length += T
         self.h_last, self.logits_last = out[-1], self.head.logits(out[-1:])[0].float()
 
+    def _step_static(self, tokens_F, h_FH, positions_F, write_at_F, allowed_FL):
+        """Fixed shapes (frontier F, whole cache L): writes K/V at `write_at_F`, attends under
+        `allowed_FL`. This is what CUDA graphs capture; every input is a tensor, nothing syncs."""
+        def attend(q, k, v):
+            self.k.index_copy_(2, write_at_F, k)
+            self.v.index_copy_(2, write_at_F, v)
+            return _attend(q, self.k, self.v, allowed_FL)
+
+        out = self.head.step(tokens_F[None], h_FH[None], positions_F[None], attend)[0]
+        return out, torch.log_softmax(self.head.logits(out).float(), -1)
+
     def _expand(self, tokens_F, h_FH, depth: int, num_tree: int, tree_allowed_FM):
         """One batched step for the frontier. Tree KV goes in the cache's scratch space right after
         the committed context, [length, length+num_tree+F), and is overwritten by the next extend."""
         F_, base = len(tokens_F), self.length + num_tree
         if base + F_ > self.max_len:
             raise ValueError(f"draft tree does not fit the runtime's max_len={self.max_len}")
+        allowed = torch.zeros(F_, self.max_len, dtype=torch.bool, device=self.device)
+        allowed[:, :self.length] = True
+        allowed[:, self.length:base] = tree_allowed_FM
+        allowed[:, base:base + F_] = torch.eye(F_, dtype=torch.bool, device=self.device)
         positions = torch.full((F_,), self.length - 1 + depth, device=self.device)
-
-        def attend(q, k, v):
-            self.k[:, :, base:base + F_] = k
-            self.v[:, :, base:base + F_] = v
-            allowed = torch.cat([torch.ones(F_, self.length, dtype=torch.bool, device=self.device), tree_allowed_FM,
-                                 torch.eye(F_, dtype=torch.bool, device=self.device)], dim=1)
-            return _attend(q, self.k[:, :, :base + F_], self.v[:, :, :base + F_], allowed)
-
-        out = self.head.step(tokens_F[None], h_FH[None], positions[None], attend)[0]
-        return out, torch.log_softmax(self.head.logits(out).float(), -1)
+        write_at = torch.arange(base, base + F_, device=self.device)
+        return self.step_fn(tokens_F, h_FH, positions, write_at, allowed)
 
     @torch.no_grad()
     def draft_tree(self, root: torch.Tensor) -> Tree:
@@ -104,4 +113,5 @@ class Eagle3Drafter:
             eye = torch.eye(K, dtype=torch.bool, device=dev)
             anc = torch.cat([anc, eye], dim=1)[parent_slot]
             frontier, frontier_h = base + best, out[parent_slot]
-        return assemble_tree(root, flat("tokens"), flat("parent"), flat("score"), flat("depth"), self.tree_cfg.num_nodes)
+        return assemble_tree(root, flat("tokens"), flat("parent"), flat("score"), flat("depth"), self.tree_cfg.num_nodes,
+                             max_depth=self.tree_cfg.depth)

@@ -12,12 +12,13 @@ import torch
 from transformers import StaticCache
 
 from draftsmith.data.capture import FeatureExtractor
+from draftsmith.runtime.compile import maybe_compile
 
 
 class TargetRunner:
     """Static-cache driver. `length` (committed tokens) is host-side bookkeeping."""
 
-    def __init__(self, model, max_len: int, layer_ids: list[int]):
+    def __init__(self, model, max_len: int, layer_ids: list[int], compile_mode: str | None = "auto"):
         self.model, self.max_len = model, max_len
         self.extractor = FeatureExtractor(model, layer_ids)
         self.device, self.dtype = model.device, model.dtype
@@ -26,6 +27,9 @@ class TargetRunner:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
         self.length = 0
+        # fixed-size forwards (plain decode N=1, tree verify N=num_nodes) become CUDA graphs on a GPU;
+        # the prefill has a different length per prompt and stays eager
+        self.decode_fixed = maybe_compile(self._decode, compile_mode, self.device)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -46,25 +50,28 @@ class TargetRunner:
                 layer.cumulative_length.fill_(length)
         self.length = length
 
+    def _decode(self, tokens_1N, positions_1N, mask_11NL):
+        self.extractor._captured.clear()
+        out = self.extractor.decoder(input_ids=tokens_1N, position_ids=positions_1N, attention_mask=mask_11NL,
+                                     use_cache=True, **{self.cache_kwarg: self.cache})
+        final = out.last_hidden_state[0]
+        aux = self.extractor.aux()
+        return self.lm_head(final).float(), None if aux is None else aux[0], final
+
     @torch.no_grad()
-    def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor):
+    def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
         """Run tokens at positions length+depth; returns (logits_NV fp32, aux_NK, final_NH).
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.length)
-        self.extractor._captured.clear()
-        out = self.extractor.decoder(
-            input_ids=tokens_N[None], position_ids=(self.length + depth_N)[None],
-            attention_mask=self._mask(tree_mask_NN), use_cache=True, **{self.cache_kwarg: self.cache})
-        final = out.last_hidden_state[0]
-        aux = self.extractor.aux()
-        return self.lm_head(final).float(), None if aux is None else aux[0], final
+        decode = self.decode_fixed if fixed else self._decode
+        return decode(tokens_N[None], (self.length + depth_N)[None], self._mask(tree_mask_NN))
 
     def prefill(self, prompt_T: torch.Tensor):
         T = len(prompt_T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal)
+        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False)
         self.commit(torch.arange(T, device=self.device))
         return logits, aux, final
 

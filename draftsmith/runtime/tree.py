@@ -23,18 +23,20 @@ class Tree:
         return torch.nonzero(self.parent_N == node).flatten().tolist()
 
 
-def ancestor_mask(parent_N: torch.Tensor, depth_N: torch.Tensor) -> torch.Tensor:
-    """Row i = i plus its ancestors; built depth by depth (parents precede children)."""
+def ancestor_mask(parent_N: torch.Tensor, depth_N: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """Row i = i plus its ancestors; built depth by depth (parents precede children). With
+    `max_depth` given, nothing reads back from the device (no host sync)."""
     N = len(parent_N)
     mask = torch.eye(N, dtype=torch.bool, device=parent_N.device)
-    for d in range(1, int(depth_N.max()) + 1 if N > 1 else 1):
-        rows = torch.nonzero(depth_N == d).flatten()
-        mask[rows] |= mask[parent_N[rows]]
+    levels = max_depth if max_depth is not None else (int(depth_N.max()) if N > 1 else 0)
+    parent = parent_N.clamp(min=0)
+    for d in range(1, levels + 1):
+        mask = torch.where((depth_N == d)[:, None], mask | mask[parent], mask)
     return mask
 
 
 def assemble_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parent: torch.Tensor,
-                  cand_score: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int) -> Tree:
+                  cand_score: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int | None = None) -> Tree:
     """EAGLE-2 rerank: keep the best num_nodes-1 candidates by cumulative log-prob.
 
     Candidates are listed in creation order (parents first); a stable sort keeps a parent ahead of
@@ -50,7 +52,7 @@ def assemble_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parent: to
     tokens = torch.cat([root.view(1), cand_tokens[chosen]])
     parent = torch.cat([torch.tensor([-1], device=root.device), parent])
     depth = torch.cat([torch.zeros(1, dtype=torch.long, device=root.device), cand_depth[chosen]])
-    return Tree(tokens, parent, depth, ancestor_mask(parent, depth))
+    return Tree(tokens, parent, depth, ancestor_mask(parent, depth, max_depth))
 
 
 def static_tree(root: torch.Tensor, choices: list[list[int]], topk_tokens_DK: torch.Tensor) -> Tree:

@@ -233,18 +233,21 @@ def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    names = {id(p): n for n, p in meta.named_parameters(remove_duplicate=False)}
-    embed_name = names[id(meta.get_input_embeddings().weight)]
-    head_name = names[id(meta.get_output_embeddings().weight)]
-    wanted = {embed_name: None, head_name: None}
+    names: dict[int, list[str]] = {}
+    for name, param in meta.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    wanted = {"embedding": names[id(meta.get_input_embeddings().weight)],
+              "lm_head": names[id(meta.get_output_embeddings().weight)]}  # tied heads share all names
+    found: dict[str, torch.Tensor] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in wanted:
-                if name in handle.keys():
-                    wanted[name] = handle.get_tensor(name)
-    if wanted[head_name] is None and getattr(config.get_text_config(), "tie_word_embeddings", False):
-        wanted[head_name] = wanted[embed_name]
-    missing = [n for n, t in wanted.items() if t is None]
+            for role, candidates in wanted.items():
+                for name in candidates:
+                    if role not in found and name in handle.keys():
+                        found[role] = handle.get_tensor(name)
+    if "lm_head" not in found and getattr(config.get_text_config(), "tie_word_embeddings", False) and "embedding" in found:
+        found["lm_head"] = found["embedding"]
+    missing = [wanted[role][0] for role in wanted if role not in found]
     if missing:
         raise ValueError(f"{model_dir}: weight files lack {missing} (needed for the head's embedding and teacher)")
-    return wanted[embed_name], wanted[head_name]
+    return found["embedding"], found["lm_head"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import StaticCache
+from transformers.cache_utils import Cache, StaticLayer
 
 from draftsmith.data.capture import FeatureExtractor
 from draftsmith.runtime.compile import maybe_compile
@@ -22,7 +22,7 @@ class TargetRunner:
         self.model, self.max_len = model, max_len
         self.extractor = FeatureExtractor(model, layer_ids)
         self.device, self.dtype = model.device, model.dtype
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = self._full_attention_cache(model.config, max_len)
         params = inspect.signature(self.extractor.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
@@ -30,6 +30,18 @@ class TargetRunner:
         # fixed-size forwards (plain decode N=1, tree verify N=num_nodes) become CUDA graphs on a GPU;
         # the prefill has a different length per prompt and stays eager
         self.decode_fixed = maybe_compile(self._decode, compile_mode, self.device)
+
+    @staticmethod
+    def _full_attention_cache(config, max_len: int) -> Cache:
+        """One preallocated full-attention layer per decoder layer. A sliding window (Mistral, some
+        Qwen2) changes nothing while the whole sequence fits in it, which is checked here."""
+        text = config.get_text_config()
+        window = getattr(text, "sliding_window", None)
+        uses_window = window and any(t != "full_attention" for t in (getattr(text, "layer_types", None) or ["sliding"]))
+        if uses_window and getattr(text, "use_sliding_window", True) and max_len > window:
+            raise ValueError(f"runtime length {max_len} exceeds the target's sliding window ({window}); "
+                             "lower validate.max_new_tokens or use shorter prompts")
+        return Cache(layers=[StaticLayer(max_cache_len=max_len) for _ in range(text.num_hidden_layers)])
 
     def reset(self) -> None:
         self.cache.reset()

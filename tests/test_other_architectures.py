@@ -1,0 +1,42 @@
+"""The whole pipeline on targets of other architectures (random tiny Qwen3, Mistral and Qwen2 with
+tied embeddings), as a user pointing a recipe at a hub model would run it."""
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import micro_recipe
+from draftsmith.stages import run_all
+from draftsmith.train.trainer import head_dir
+
+
+def _save_target(path, arch: str, tokenizer_dir, **extra):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,extra", [("qwen3", {"tie_word_embeddings": False}), ("mistral", {}),
+                                        ("qwen2", {"tie_word_embeddings": True})])
+def test_pipeline_on_other_architectures(tmp_path, micro_target, arch, extra):
+    target = _save_target(tmp_path / arch, arch, micro_target, **extra)
+    recipe = micro_recipe(tmp_path / "runs", target, "target.embedded=null", "data.max_conversations=30",
+                          "train.max_steps=3", "validate.num_prompts=2", "validate.max_new_tokens=12",
+                          "data.regen.enabled=true", "data.regen.max_new_tokens=8", "data.regen.batch_size=16")
+    summary = run_all(recipe)
+    assert "greedy exact: True" in summary
+    validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+    assert validation["layer_ids"] == [2, 3, 4] and validation["exact_match"]
+    config = json.loads((recipe.run_dir / "export" / "sglang" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["head_dim"] == 16 and config["vocab_size"] == AutoConfig.from_pretrained(target).vocab_size
+    data = json.loads((recipe.run_dir / "data" / "manifest.json").read_text())
+    assert data["regeneration"]["regenerated"] == 30

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(r: dict) -> str:
     cap, rt = r["capture"], r["runtime"]
-    lines = [f"# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
+    lines = ["# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
              f"(the demo target: hidden size {cap['hidden_size']}). Regenerate with `make bench`.", "",
              "## Hidden-state capture (issue #3)", "",
              "| | tokens/s | vs plain forward | bytes/token | vs SpecForge (4·H bf16) |", "|---|---|---|---|---|",

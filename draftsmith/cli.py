@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-from draftsmith import artifacts, recipe as recipe_mod
+from draftsmith import recipe as recipe_mod
 
 STAGES = {
     "target": "build the embedded default target (tiny Llama + BPE tokenizer trained on stdlib source); "

@@ -1,11 +1,9 @@
 """Capture store: exact tensors, resumability after kill -9, corruption, manifests, 2 processes."""
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,6 +1,4 @@
 """The CLI: help, clear errors with exit code 2, and `run` skipping stages by manifest."""
-import subprocess
-import sys
 
 import pytest
 

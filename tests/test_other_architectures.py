@@ -8,7 +8,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import micro_recipe
 from draftsmith.stages import run_all
-from draftsmith.train.trainer import head_dir
 
 
 def _save_target(path, arch: str, tokenizer_dir, **extra):

@@ -55,16 +55,17 @@ class ScriptedDrafter:
         right += [0] * (self.depth - len(right))
         good = {"always": self.depth, "never": 0, "partial": self.partial}[self.mode]
         chain = [t if i < good else (t + 1) % self.vocab for i, t in enumerate(right)]
-        tokens, parent, depth = [int(root)], [-1], [0]
+        tokens, parent, depth, prev = [int(root)], [-1], [0], 0
         for i, t in enumerate(chain):
             tokens.append(t)
-            parent.append(len(tokens) - 2 if i == 0 else tokens_index)
-            tokens_index = len(tokens) - 1
+            parent.append(prev)
             depth.append(i + 1)
+            node = len(tokens) - 1
             for w in range(1, self.width):  # wrong siblings hanging off the same parent
                 tokens.append((t + 1 + w) % self.vocab)
-                parent.append(parent[-1])
+                parent.append(prev)
                 depth.append(i + 1)
+            prev = node
         parent_t, depth_t = torch.tensor(parent), torch.tensor(depth)
         return Tree(torch.tensor(tokens), parent_t, depth_t, ancestor_mask(parent_t, depth_t))
 

@@ -58,6 +58,3 @@ class CaptureStore(torch.utils.data.Dataset):
                 "teacher_pos": get("teacher_pos").long(),
                 "teacher": dequantize(get("teacher"), get("teacher_scale")),
                 "aux": None if aux is None else dequantize(aux, get("aux_scale"))}
-
-    def lengths(self) -> list[int]:
-        return [len(self[i]["input_ids"]) for i in range(len(self))]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 import time
@@ -216,10 +215,6 @@ def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 96) -
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return conv["messages"][0]["content"], tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def target_report(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / artifacts.MANIFEST).read_text())
 
 
 def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:

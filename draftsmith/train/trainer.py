@@ -17,7 +17,7 @@ import torch
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
 from draftsmith.train import batches as B
-from draftsmith.train.tracking import MetricsLog, make_tracker
+from draftsmith.train.tracking import MetricsLog
 
 COMPLETE = "COMPLETE"
 

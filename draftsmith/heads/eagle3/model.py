@@ -13,7 +13,6 @@ The target's embedding is held frozen and never saved.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -159,9 +158,3 @@ class Eagle3Head(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         state = {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}
         return state
-
-
-
-def causal_attend(q, k, v):
-    """Plain causal attention (SDPA) with grouped KV heads; used for simple forwards and tests."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

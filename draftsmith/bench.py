@@ -61,13 +61,10 @@ def bench_capture(recipe, num_samples: int = 256) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             writer = capture.ShardWriter(Path(tmp), 0, int(recipe.capture.shard_size_mb * 2**20), 0)
             start = time.perf_counter()
-            for batch, (ids, mask) in zip(batches, padded):
-                aux, final = extractor(ids.to(model.device), mask.to(model.device))
-                for r, index in enumerate(batch):
-                    row = dataset[index]
-                    n = len(row["input_ids"])
-                    writer.add(index, capture.sample_record(ids[r, :n], torch.tensor(row["loss_mask"]), aux[r, :n].cpu(),
-                                                            final[r, :n].cpu(), dtype, capture.needed_length(row["loss_mask"])))
+            for batch in batches:
+                records, _ = capture.batch_records(extractor, dataset[batch], dtype)
+                for index, record in zip(batch, records):
+                    writer.add(index, record)
             writer.flush()
             seconds = time.perf_counter() - start
             written = sum(p.stat().st_size for p in Path(tmp).glob("shard-*"))

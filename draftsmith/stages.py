@@ -59,11 +59,11 @@ def stage_export(recipe: Recipe | None, args=None):
     head = getattr(args, "head", None) or str(head_dir(recipe))
     engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else ["sglang"])
     dtype = recipe.export.dtype if recipe else "bf16"
+    chosen_out = getattr(args, "out", None) if len(engines) == 1 else None  # --out names one engine's folder
+    base = Path(recipe.run_dir) if recipe else Path(head).parent
     written = {}
     for engine in engines:
-        out = getattr(args, "out", None) if len(engines) == 1 and getattr(args, "out", None) else None
-        out = out or str((Path(recipe.run_dir) if recipe else Path(head).parent) / "export" / engine)
-        written[engine] = export_head(head, engine, out, dtype=dtype,
+        written[engine] = export_head(head, engine, chosen_out or str(base / "export" / engine), dtype=dtype,
                                       allow_unvalidated=bool(getattr(args, "allow_unvalidated", False)))
     return written
 

@@ -110,6 +110,30 @@ def sample_record(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.T
     return record
 
 
+def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str) -> tuple[list[dict], int]:
+    """Run one padded batch of data rows through the target; return (one record per row, real
+    tokens). The one code path shared by offline capture, online training and the benchmark."""
+    ids, attn = pad_batch(rows["input_ids"])
+    device = next(extractor.model.parameters()).device
+    aux, final = extractor(ids.to(device), attn.to(device))
+    aux, final = None if aux is None else aux.cpu(), final.cpu()  # records are host tensors (collate pads on host)
+    records = []
+    for r, mask in enumerate(rows["loss_mask"]):
+        n = len(mask)
+        records.append(sample_record(ids[r, :n], torch.tensor(mask), None if aux is None else aux[r, :n],
+                                     final[r, :n], dtype, needed_length(mask)))
+    return records, int(attn.sum())
+
+
+def to_sample(get) -> dict:
+    """A stored record as the trainer reads it (ids long, features dequantized to fp32);
+    `get(key)` returns the record's tensor for `key` or None."""
+    aux = get("aux")
+    return {"input_ids": get("input_ids").long(), "loss_mask": get("loss_mask").long(),
+            "teacher_pos": get("teacher_pos").long(), "teacher": dequantize(get("teacher"), get("teacher_scale")),
+            "aux": None if aux is None else dequantize(aux, get("aux_scale"))}
+
+
 # ---------------------------------------------------------------- shards
 
 
@@ -281,15 +305,10 @@ def run_capture(recipe: Recipe, dry_run: bool = False) -> dict:
     total = sum(len(dataset[i]["input_ids"]) for i in mine)
     bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=not state.is_main_process)
     for batch in _batches(dataset, mine, recipe.capture.batch_tokens):
-        rows = dataset[batch]
-        ids, attn = pad_batch(rows["input_ids"])
-        aux, final = extractor(ids.to(state.device), attn.to(state.device))
-        for r, index in enumerate(batch):
-            n, mask = len(rows["input_ids"][r]), torch.tensor(rows["loss_mask"][r])
-            record = sample_record(ids[r, :n], mask, None if aux is None else aux[r, :n].cpu(), final[r, :n].cpu(),
-                                   spec.dtype, needed_length(rows["loss_mask"][r]))
+        records, num_tokens = batch_records(extractor, dataset[batch], spec.dtype)
+        for index, record in zip(batch, records):
             writer.add(index, record)
-        bar.update(int(attn.sum()))
+        bar.update(num_tokens)
     writer.flush()
     bar.close()
     state.wait_for_everyone()

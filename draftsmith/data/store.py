@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import artifacts
-from draftsmith.data.capture import dequantize
+from draftsmith.data.capture import to_sample
 
 
 class CaptureStore(torch.utils.data.Dataset):
@@ -52,9 +52,4 @@ class CaptureStore(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         name, local = self.index[i]
         handle = self._handle(name)
-        get = lambda key: self._slice(handle, key, local)  # noqa: E731
-        aux = get("aux")
-        return {"input_ids": get("input_ids").long(), "loss_mask": get("loss_mask").long(),
-                "teacher_pos": get("teacher_pos").long(),
-                "teacher": dequantize(get("teacher"), get("teacher_scale")),
-                "aux": None if aux is None else dequantize(aux, get("aux_scale"))}
+        return to_sample(lambda key: self._slice(handle, key, local))

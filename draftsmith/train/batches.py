@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.data.capture import FeatureExtractor, needed_length, pad_batch, sample_record
+from draftsmith.data.capture import FeatureExtractor, batch_records, to_sample
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
@@ -23,24 +23,13 @@ class OnlineSource:
 
     def __init__(self, model, layer_ids: list[int], dataset):
         self.extractor, self.dataset = FeatureExtractor(model, layer_ids), dataset
-        self.device = next(model.parameters()).device
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def records(self, indices: list[int]) -> list[dict]:
-        rows = self.dataset[indices]
-        ids, attn = pad_batch(rows["input_ids"])
-        aux, final = self.extractor(ids.to(self.device), attn.to(self.device))
-        out = []
-        for r, mask_list in enumerate(rows["loss_mask"]):
-            n, mask = len(mask_list), torch.tensor(mask_list)
-            rec = sample_record(ids[r, :n], mask, None if aux is None else aux[r, :n], final[r, :n], "fp32",
-                                needed_length(mask_list))
-            out.append({"input_ids": rec["input_ids"].long(), "loss_mask": rec["loss_mask"].long(),
-                        "teacher_pos": rec["teacher_pos"].long(), "teacher": rec["teacher"].float(),
-                        "aux": None if rec["aux"] is None else rec["aux"].float()})
-        return out
+        records, _ = batch_records(self.extractor, self.dataset[indices], "fp32")
+        return [to_sample(record.get) for record in records]
 
 
 class OfflineSource:

@@ -88,7 +88,11 @@ class CaptureConfig:
     dtype: str = "bf16"
     shard_size_mb: float = 256.0
     batch_tokens: int = 8192
-    masked_only: bool = True
+    # store only what the target cannot rebuild cheaply: EAGLE-3's mid and high features; the low
+    # feature and the teacher are recomputed at train time from the first layer_ids[0] and the last
+    # N - layer_ids[-1] target layers (5 of N layers with the defaults)
+    recompute: bool = True
+    compression: str = "zstd"
 
 
 @dataclass
@@ -185,6 +189,7 @@ CHOICES = {
     "data.sources.format": {"auto", "sharegpt", "openai", "text"},
     "capture.mode": {"offline", "online"},
     "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
+    "capture.compression": {"none", "zstd"},
     "train.tracking.backend": {"wandb", "none"},
     "export.dtype": {"bf16", "fp16", "fp32"},
 }

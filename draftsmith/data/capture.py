@@ -4,9 +4,15 @@ Layer ids use the *input-to-layer* convention: id k is the hidden state entering
 i.e. Hugging Face `hidden_states[k]` (0 = embeddings). This is vLLM's and EAGLE's convention;
 SGLang's config ids are ours minus one (its loader adds one), SpecForge's `output of layer` ids too.
 
-Per sample the store keeps: input_ids, loss_mask, the auxiliary features up to the last position
-that training reads, and the final normed hidden state only where it is a teacher (the position
-before each loss-masked token); logits are rebuilt with the target's lm_head at train time.
+Per sample the store keeps input_ids, loss_mask and the features up to the last position that
+training reads. With `capture.recompute` (the default) it keeps only the features the target cannot
+rebuild cheaply: for EAGLE-3 the mid and high ones. The trainer rebuilds the low feature from the
+embedding (the first ids[0] target layers) and the teacher from the high feature (the last
+N - ids[-1] layers), exactly as capture would have computed them (`FeatureCompleter`). Without it,
+the store also keeps the low feature and the final normed hidden state at teacher positions (the
+position before each loss-masked token). Logits are always rebuilt with the target's lm_head at
+train time. Feature tensors are compressed losslessly per sample (`capture.compression: zstd`:
+blosc2 byte-shuffle + zstd), so a sample can still be read on its own.
 """
 from __future__ import annotations
 
@@ -47,18 +53,33 @@ def layer_ids_for(recipe: Recipe, num_layers: int) -> list[int]:
     return list(ids)
 
 
+class Skip(torch.nn.Module):
+    """Stands in for a decoder layer whose output nobody reads: passes the hidden state through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
 class FeatureExtractor:
     """Runs the frozen target's decoder once and returns (aux_BTK, final_BTH) through forward hooks.
 
-    The same object serves offline capture and online training, so both see identical tensors."""
+    The same object serves offline capture and online training, so both see identical tensors.
+    `stop_after_features` skips the decoder layers above the highest id (final is then None)."""
 
-    def __init__(self, model, layer_ids: list[int]):
+    def __init__(self, model, layer_ids: list[int], stop_after_features: bool = False):
         self.model, self.layer_ids = model, layer_ids
         self.decoder = model.get_decoder()
         self._captured: dict[int, torch.Tensor] = {}
+        self.handles = []
         for k in layer_ids:
-            module = self.decoder.embed_tokens if k == 0 else self.decoder.layers[k - 1]
-            module.register_forward_hook(self._hook(k))
+            module = self.decoder.get_input_embeddings() if k == 0 else self.decoder.layers[k - 1]
+            self.handles.append(module.register_forward_hook(self._hook(k)))
+        self.skipped = range(max(layer_ids), len(self.decoder.layers)) if stop_after_features and layer_ids else range(0)
+
+    def remove(self) -> None:
+        """Detach from the model (another extractor may use it next)."""
+        for handle in self.handles:
+            handle.remove()
 
     def _hook(self, k: int):
         def store(_module, _inputs, output):
@@ -68,12 +89,56 @@ class FeatureExtractor:
     @torch.no_grad()
     def __call__(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
         self._captured.clear()
-        out = self.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
-        return self.aux(), out.last_hidden_state
+        layers = self.decoder.layers
+        kept = {i: layers[i] for i in self.skipped}
+        try:
+            for i in self.skipped:
+                layers[i] = Skip()
+            out = self.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        finally:
+            for i, layer in kept.items():
+                layers[i] = layer
+        return self.aux(), None if self.skipped else out.last_hidden_state
 
     def aux(self) -> torch.Tensor | None:
         """The hooked layers' outputs of the last forward, concatenated low to high."""
         return torch.cat([self._captured[k] for k in self.layer_ids], dim=-1) if self.layer_ids else None
+
+
+class FeatureCompleter:
+    """Rebuilds what a compact store leaves out, on the training device, in one decoder pass over a
+    partial target (`target.load_target_layers`, layers ids[0]..ids[-1]-1 never loaded): the low
+    feature comes out of the first ids[0] layers, the stored high feature is fed into layer ids[-1],
+    and the final norm after the last layer gives the teacher."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.low = FeatureExtractor(model, layer_ids[:1])
+        self.hidden = model.config.get_text_config().hidden_size
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self._high: torch.Tensor | None = None
+        self._fed = False
+        model.get_decoder().layers[layer_ids[-1]].register_forward_pre_hook(self._feed, with_kwargs=True)
+
+    def _feed(self, _module, args, kwargs):
+        """Replace the hidden state entering layer ids[-1] with the stored high feature."""
+        self._fed = True
+        if args:
+            return (self._high,) + tuple(args[1:]), kwargs
+        return args, kwargs | {"hidden_states": self._high}
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> dict:
+        """`batch["aux"]` holds the stored features (low feature left out); returns the batch with the
+        full aux (low to high) and the teacher hidden state at every position."""
+        stored = batch["aux"]
+        self._high, self._fed = stored[..., -self.hidden:].to(self.dtype).contiguous(), False
+        low, teacher = self.low(batch["input_ids"])
+        if not self._fed:
+            raise RuntimeError("the target's decoder never ran its layers as expected; set capture.recompute: false")
+        self._high = None
+        batch["aux"] = torch.cat([low.to(stored.dtype), stored], dim=-1)
+        batch["teacher"] = teacher.float()
+        return batch
 
 
 def needed_length(loss_mask: list[int]) -> int:
@@ -100,11 +165,13 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def sample_record(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor | None,
-                  final: torch.Tensor, dtype: str, keep_aux: int) -> dict:
-    """What one sample stores: aux features trimmed to `keep_aux`, the final hidden at teacher positions."""
+                  final: torch.Tensor | None, dtype: str, keep_aux: int) -> dict:
+    """What one sample stores: aux features trimmed to `keep_aux`, the final hidden at teacher
+    positions (unless it is recomputed at train time: `final` None)."""
     pos = teacher_positions(loss_mask)
     record = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8), "teacher_pos": pos.to(torch.int32)}
-    record["teacher"], record["teacher_scale"] = quantize(final[pos], "bf16" if dtype == "fp8" else dtype)
+    if final is not None:
+        record["teacher"], record["teacher_scale"] = quantize(final[pos], "bf16" if dtype == "fp8" else dtype)
     if aux is not None:
         record["aux"], record["aux_scale"] = quantize(aux[:keep_aux], dtype)
     return record
@@ -116,25 +183,56 @@ def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str) -> tuple[
     ids, attn = pad_batch(rows["input_ids"])
     device = next(extractor.model.parameters()).device
     aux, final = extractor(ids.to(device), attn.to(device))
-    aux, final = None if aux is None else aux.cpu(), final.cpu()  # records are host tensors (collate pads on host)
+    aux, final = (None if t is None else t.cpu() for t in (aux, final))  # records are host tensors (collate pads on host)
     records = []
     for r, mask in enumerate(rows["loss_mask"]):
         n = len(mask)
         records.append(sample_record(ids[r, :n], torch.tensor(mask), None if aux is None else aux[r, :n],
-                                     final[r, :n], dtype, needed_length(mask)))
+                                     None if final is None else final[r, :n], dtype, needed_length(mask)))
     return records, int(attn.sum())
 
 
 def to_sample(get) -> dict:
     """A stored record as the trainer reads it (ids long, features dequantized to fp32);
     `get(key)` returns the record's tensor for `key` or None."""
-    aux = get("aux")
+    aux, teacher = get("aux"), get("teacher")
     return {"input_ids": get("input_ids").long(), "loss_mask": get("loss_mask").long(),
-            "teacher_pos": get("teacher_pos").long(), "teacher": dequantize(get("teacher"), get("teacher_scale")),
+            "teacher_pos": get("teacher_pos").long(),
+            "teacher": None if teacher is None else dequantize(teacher, get("teacher_scale")),
             "aux": None if aux is None else dequantize(aux, get("aux_scale"))}
 
 
 # ---------------------------------------------------------------- shards
+
+
+COMPRESSED = ("aux", "teacher")  # the feature tensors; ids, masks and scales are too small to bother
+
+
+def encode(x: torch.Tensor) -> torch.Tensor:
+    """Lossless: blosc2 byte-shuffle (bit-shuffle for 1-byte types) + zstd, as a uint8 tensor."""
+    import blosc2
+    size = x.element_size()
+    blob = blosc2.compress2(x.contiguous().view(torch.uint8).numpy(), typesize=size, codec=blosc2.Codec.ZSTD, clevel=1,
+                            filters=[blosc2.Filter.SHUFFLE if size > 1 else blosc2.Filter.BITSHUFFLE])
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def decode(blob: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+    import blosc2
+    raw = torch.frombuffer(bytearray(blosc2.decompress2(blob.numpy())), dtype=torch.uint8)
+    return raw.view(dtype).view(-1, width)
+
+
+def encode_record(record: dict, compression: str, layout: dict) -> dict:
+    """Compress the record's feature tensors; `layout` collects each one's dtype and width (the shard's metadata)."""
+    if compression == "none":
+        return record
+    out = dict(record)
+    for key in COMPRESSED:
+        if record.get(key) is not None:
+            layout[key] = [str(record[key].dtype).removeprefix("torch."), record[key].shape[-1]]
+            out[key] = encode(record[key])
+    return out
 
 
 def _concat_shard(records: list[dict], indices: list[int]) -> dict[str, torch.Tensor]:
@@ -152,15 +250,18 @@ def _concat_shard(records: list[dict], indices: list[int]) -> dict[str, torch.Te
 
 class ShardWriter:
     """Buffers samples and writes a shard atomically when the buffer passes `shard_bytes`.
-    Each finished shard is recorded in this rank's progress file after its rename."""
+    Each finished shard is recorded in this rank's progress file after its rename. Compressed
+    tensors are named in the shard's metadata (`encoded`: key -> [dtype, width])."""
 
-    def __init__(self, store: Path, rank: int, shard_bytes: int, first_index: int):
-        self.store, self.rank, self.shard_bytes = store, rank, shard_bytes
+    def __init__(self, store: Path, rank: int, shard_bytes: int, first_index: int, compression: str = "none"):
+        self.store, self.rank, self.shard_bytes, self.compression = store, rank, shard_bytes, compression
         self.records, self.indices, self.num_bytes = [], [], 0
         self.next_shard = first_index
+        self.layout: dict[str, list] = {}
         self.progress = store / f"progress-r{rank}.jsonl"
 
     def add(self, index: int, record: dict) -> None:
+        record = encode_record(record, self.compression, self.layout)
         self.records.append(record)
         self.indices.append(index)
         self.num_bytes += sum(t.numel() * t.element_size() for t in record.values() if t is not None)
@@ -172,8 +273,9 @@ class ShardWriter:
             return
         name = f"shard-r{self.rank:03d}-{self.next_shard:05d}.safetensors"
         path = self.store / name
+        metadata = {"compression": self.compression, "encoded": json.dumps(self.layout)}
         with artifacts.atomic_path(path) as tmp:
-            save_file(_concat_shard(self.records, self.indices), str(tmp))
+            save_file(_concat_shard(self.records, self.indices), str(tmp), metadata=metadata)
             entry = {"file": name, "sha256": artifacts.sha256_file(tmp), "bytes": tmp.stat().st_size,
                      "samples": self.indices, "num_tokens": int(sum(r["input_ids"].numel() for r in self.records))}
         with open(self.progress, "a") as handle:
@@ -221,6 +323,9 @@ class CaptureSpec:
     dtype: str
     hidden_size: int
     data_hash: str
+    recompute: bool
+    stored_layer_ids: list[int]
+    compression: str
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -232,24 +337,48 @@ def capture_dir(recipe: Recipe) -> Path:
 
 def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: dict) -> CaptureSpec:
     from draftsmith.data.target import target_fingerprint
-    return CaptureSpec(recipe.target.model, target_fingerprint(recipe.target.model), recipe.head.kind,
-                       layer_ids_for(recipe, num_layers), recipe.capture.dtype, hidden_size, data_manifest["inputs_hash"])
+    ids = layer_ids_for(recipe, num_layers)
+    recompute = recipe.capture.recompute and len(ids) >= 2  # heads without several features store them all
+    if recompute and ids != sorted(set(ids)):
+        raise ValueError(f"capture.recompute needs ascending capture.layer_ids (got {ids}): the lowest is rebuilt "
+                         "from the embedding and the teacher from the highest; sort them or set capture.recompute: false")
+    return CaptureSpec(recipe.target.model, target_fingerprint(recipe.target.model), recipe.head.kind, ids,
+                       recipe.capture.dtype, hidden_size, data_manifest["inputs_hash"], recompute,
+                       ids[1:] if recompute else ids, recipe.capture.compression)
 
 
-def projected_bytes(dataset, spec: CaptureSpec) -> dict:
-    """Exact size of the store before anything is written, next to SpecForge's 4·H bf16 layout."""
-    width = len(spec.layer_ids) * spec.hidden_size
+def projected_bytes(dataset, spec: CaptureSpec, feature_ratio: float = 1.0) -> dict:
+    """Size of the store before anything is written, next to SpecForge's 4·H bf16 layout: exact
+    without compression; with it, the feature bytes times `feature_ratio` (measured on a sample)."""
+    width = len(spec.stored_layer_ids) * spec.hidden_size
     aux_bytes = 1 if spec.dtype == "fp8" else STORE_DTYPES[spec.dtype].itemsize
-    teacher_bytes = 2 if spec.dtype == "fp8" else aux_bytes
-    total = tokens = 0
+    teacher_bytes = (2 if spec.dtype == "fp8" else aux_bytes) * (not spec.recompute)
+    features = other = tokens = 0
     for mask in dataset["loss_mask"]:
         keep, teachers = needed_length(mask), sum(mask[1:])
-        total += len(mask) * 5 + keep * width * aux_bytes + teachers * (spec.hidden_size * teacher_bytes + 4)
-        total += keep * 4 * (spec.dtype == "fp8" and width > 0)  # one fp32 scale per fp8 row
+        features += keep * width * aux_bytes + teachers * spec.hidden_size * teacher_bytes
+        other += len(mask) * 5 + teachers * 4 + keep * 4 * (spec.dtype == "fp8" and width > 0)  # fp8: one fp32 scale per row
         tokens += len(mask)
+    total = other + features * feature_ratio
     specforge = tokens * 4 * spec.hidden_size * 2
-    return {"bytes": total, "num_tokens": tokens, "bytes_per_token": total / max(tokens, 1),
+    return {"bytes": int(total), "num_tokens": tokens, "bytes_per_token": total / max(tokens, 1),
+            "uncompressed_bytes": other + features, "compression_ratio": feature_ratio,
             "specforge_bytes": specforge, "ratio_vs_specforge": total / max(specforge, 1)}
+
+
+def feature_ratio(extractor, dataset, spec: CaptureSpec, num_samples: int = 32) -> float:
+    """Compressed / raw feature bytes over evenly spaced samples (nothing written)."""
+    if spec.compression == "none":
+        return 1.0
+    step = max(1, len(dataset) // num_samples)
+    records, _ = batch_records(extractor, dataset[list(range(0, len(dataset), step))[:num_samples]], spec.dtype)
+    raw = packed = 0
+    for record in records:
+        for key in COMPRESSED:
+            if record.get(key) is not None:
+                raw += record[key].numel() * record[key].element_size()
+                packed += encode(record[key]).numel()
+    return packed / max(raw, 1)
 
 
 def _batches(dataset, indices: list[int], batch_tokens: int):
@@ -287,8 +416,9 @@ def run_capture(recipe: Recipe, dry_run: bool = False) -> dict:
     model = load_target(recipe, state.device)
     cfg = model.config.get_text_config()
     spec = make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest)
+    extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute)
     if dry_run:
-        return projected_bytes(dataset, spec)
+        return projected_bytes(dataset, spec, feature_ratio(extractor, dataset, spec))
     store = capture_dir(recipe)
     if state.is_main_process:
         store.mkdir(parents=True, exist_ok=True)
@@ -300,8 +430,8 @@ def run_capture(recipe: Recipe, dry_run: bool = False) -> dict:
     mine = [i for i in range(len(dataset)) if i % state.num_processes == state.process_index and i not in done]
     writer = ShardWriter(store, state.process_index, int(recipe.capture.shard_size_mb * 2**20),
                          first_index=1 + max((int(e["file"][11:16]) for e in entries
-                                             if e["file"].startswith(f"shard-r{state.process_index:03d}")), default=-1))
-    extractor = FeatureExtractor(model, spec.layer_ids)
+                                             if e["file"].startswith(f"shard-r{state.process_index:03d}")), default=-1),
+                         compression=spec.compression)
     total = sum(len(dataset[i]["input_ids"]) for i in mine)
     bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=not state.is_main_process)
     for batch in _batches(dataset, mine, recipe.capture.batch_tokens):
@@ -340,6 +470,9 @@ def finalize(recipe: Recipe, store: Path, spec: CaptureSpec, num_samples: int) -
         num_samples=num_samples, num_tokens=num_tokens, num_bytes=num_bytes,
         bytes_per_token=num_bytes / max(num_tokens, 1),
         specforge_bytes_per_token=4 * spec.hidden_size * 2,
+        rebuilt_at_train_time={"low_feature": f"target layers [0, {spec.layer_ids[0]}) from the embedding",
+                               "teacher": f"target layers [{spec.layer_ids[-1]}, N) and the final norm from the high feature"}
+        if spec.recompute else {},
         shards=[{k: e[k] for k in ("file", "sha256", "bytes", "num_tokens")} | {"num_samples": len(e["samples"])} for e in entries])
 
 

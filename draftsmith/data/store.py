@@ -1,17 +1,19 @@
 """Reading the capture store: a memory-mapped `torch.utils.data.Dataset` that checks its manifest."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from draftsmith import artifacts
-from draftsmith.data.capture import to_sample
+from draftsmith.data.capture import decode, to_sample
 
 
 class CaptureStore(torch.utils.data.Dataset):
-    """Serves one sample at a time as float tensors: input_ids, loss_mask, aux_TK, teacher_MH, teacher_pos.
+    """Serves one sample at a time as float tensors: input_ids, loss_mask, aux_TK, teacher_MH (None
+    when the store leaves it to be recomputed), teacher_pos. Compressed features are decoded here.
 
     `expected` holds the fields the consumer needs to match (target, layers, dtype, head kind);
     any difference is a clear error rather than a silently wrong head."""
@@ -40,14 +42,18 @@ class CaptureStore(torch.utils.data.Dataset):
 
     def _handle(self, name: str):
         if name not in self.handles:  # opened lazily so each DataLoader worker maps its own
-            self.handles[name] = safe_open(str(self.store / name), framework="pt")
+            handle = safe_open(str(self.store / name), framework="pt")
+            encoded = json.loads((handle.metadata() or {}).get("encoded", "{}"))
+            self.handles[name] = handle, {k: (getattr(torch, dtype), width) for k, (dtype, width) in encoded.items()}
         return self.handles[name]
 
-    def _slice(self, handle, key: str, local: int) -> torch.Tensor | None:
+    def _slice(self, opened, key: str, local: int) -> torch.Tensor | None:
+        handle, encoded = opened
         if f"{key}.offsets" not in handle.keys():
             return None
         offsets = handle.get_slice(f"{key}.offsets")[local:local + 2].tolist()
-        return handle.get_slice(key)[offsets[0]:offsets[1]]
+        data = handle.get_slice(key)[offsets[0]:offsets[1]]
+        return decode(data, *encoded[key]) if key in encoded else data
 
     def __getitem__(self, i: int) -> dict:
         name, local = self.index[i]

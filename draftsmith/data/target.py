@@ -246,3 +246,40 @@ def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     if missing:
         raise ValueError(f"{model_dir}: weight files lack {missing} (needed for the head's embedding and teacher)")
     return found["embedding"], found["lm_head"]
+
+
+def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
+    """The target with decoder layers `skip` never loaded (pass-through stand-ins), frozen: what the
+    trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
+    are read from the safetensors files, so a 70B target costs a few layers of memory."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from draftsmith.data.capture import Skip
+    model_dir = recipe.target.model
+    check_model_path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) real
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    layers = model.get_decoder().layers
+    for i in skip:
+        layers[i] = Skip()
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    head = next(f"{name}.weight" for name, module in model.named_modules() if module is model.get_output_embeddings())
+    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if tied else set())
+    state = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in wanted.intersection(handle.keys()):
+                state[name] = handle.get_tensor(name).to(dtype)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise ValueError(f"{model_dir}: weight files lack {missing[:4]}{' ...' if len(missing) > 4 else ''}, needed to "
+                         "rebuild features at train time; capture with capture.recompute: false instead")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.requires_grad_(False)
+    return model.eval().to(device)

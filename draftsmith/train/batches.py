@@ -44,12 +44,15 @@ class OfflineSource:
 
 
 def collate(records: list[dict], max_tokens: int) -> dict:
-    """Right-pad to the longest sample (cut at max_tokens); teacher hiddens scattered to positions."""
+    """Right-pad to the longest sample (cut at max_tokens); teacher hiddens scattered to positions
+    (a compact store has none: `FeatureCompleter` rebuilds them on the device)."""
     T = min(max(len(r["input_ids"]) for r in records), max_tokens)
-    B, H = len(records), records[0]["teacher"].shape[-1]
-    K = records[0]["aux"].shape[-1]
+    B, K = len(records), records[0]["aux"].shape[-1]
+    stored_teacher = records[0]["teacher"] is not None
     batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, K),
-             "teacher": torch.zeros(B, T, H), "has_teacher": torch.zeros(B, T, dtype=torch.bool)}
+             "has_teacher": torch.zeros(B, T, dtype=torch.bool)}
+    if stored_teacher:
+        batch["teacher"] = torch.zeros(B, T, records[0]["teacher"].shape[-1])
     for b, r in enumerate(records):
         n = min(len(r["input_ids"]), T)
         batch["input_ids"][b, :n] = r["input_ids"][:n]
@@ -57,7 +60,8 @@ def collate(records: list[dict], max_tokens: int) -> dict:
         batch["aux"][b, :k] = r["aux"][:k]
         keep = r["teacher_pos"] < T
         pos = r["teacher_pos"][keep]
-        batch["teacher"][b, pos] = r["teacher"][keep].to(batch["teacher"].dtype)
+        if stored_teacher:
+            batch["teacher"][b, pos] = r["teacher"][keep].to(batch["teacher"].dtype)
         batch["has_teacher"][b, pos] = True
     batch["position_ids"] = torch.arange(T).expand(B, T).contiguous()
     return batch

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 
 from draftsmith import artifacts
-from draftsmith.data.capture import capture_dir, layer_ids_for
+from draftsmith.data.capture import FeatureCompleter, capture_dir, layer_ids_for
 from draftsmith.data.prepare import load_train
-from draftsmith.data.target import load_target, load_target_embeddings, target_fingerprint
+from draftsmith.data.target import load_target, load_target_embeddings, load_target_layers, target_fingerprint
 from draftsmith.data.vocab import load_or_build
 from draftsmith.heads.registry import get_head_class
 from draftsmith.recipe import Recipe
@@ -16,19 +16,23 @@ from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_
 
 
 def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int], accelerator):
-    """(feature source, input embedding, lm_head) for offline or online mode."""
+    """(feature source, input embedding, lm_head, completer or None) for offline or online mode."""
     if recipe.capture.mode == "online":
         model = load_target(recipe, accelerator.device)
         return (B.OnlineSource(model, layer_ids, dataset), model.get_input_embeddings().weight.detach(),
-                model.get_output_embeddings().weight.detach())
+                model.get_output_embeddings().weight.detach(), None)
     from draftsmith.data.store import CaptureStore
     expected = {"target_id": recipe.target.model, "target_fingerprint": target_fingerprint(recipe.target.model),
                 "layer_ids": layer_ids, "head_kind": recipe.head.kind, "data_hash": data_manifest["inputs_hash"]}
     store = CaptureStore(capture_dir(recipe), expected=expected)
     if len(store) != len(dataset):
         raise artifacts.ArtifactError(f"{capture_dir(recipe)} holds {len(store)} samples, the data stage {len(dataset)}")
+    if store.manifest.get("recompute"):  # a compact store: rebuild the low feature and the teacher on the device
+        model = load_target_layers(recipe, accelerator.device, skip=range(layer_ids[0], layer_ids[-1]))
+        return (B.OfflineSource(store), model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                FeatureCompleter(model, layer_ids))
     embed, lm_head = load_target_embeddings(recipe.target.model)
-    return B.OfflineSource(store), embed, lm_head
+    return B.OfflineSource(store), embed, lm_head, None
 
 
 def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
@@ -38,7 +42,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     target_config = AutoConfig.from_pretrained(recipe.target.model)
     text_config = target_config.get_text_config()
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers)
-    source, embed, lm_head = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
+    source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
     d2t, t2d, vocab_report = load_or_build(recipe.run_dir / "cache", data_manifest["inputs_hash"], dataset,
                                            text_config.vocab_size, recipe.head.draft_vocab_size)
     head = get_head_class(recipe.head.kind).from_target(target_config, recipe.head, layer_ids)
@@ -48,7 +52,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     train_dir(recipe).mkdir(parents=True, exist_ok=True)
     tracker = make_tracker(recipe, train_dir(recipe), accelerator.is_main_process)
     trainer = Trainer(recipe, head, B.Subset(source, train_idx), B.Subset(source, eval_idx) if eval_idx else None,
-                      d2t, t2d, lm_head, accelerator, tracker)
+                      d2t, t2d, lm_head, accelerator, tracker, completer)
     trainer.vocab_report = vocab_report
     if accelerator.is_main_process:
         print(f"draft vocabulary: {vocab_report['draft_vocab_size']} ids cover "

@@ -66,9 +66,10 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 class Trainer:
     """Owns the loop; the head owns only its loss."""
 
-    def __init__(self, recipe: Recipe, head, source, eval_source, d2t, t2d, lm_head_VH, accelerator, tracker):
+    def __init__(self, recipe: Recipe, head, source, eval_source, d2t, t2d, lm_head_VH, accelerator, tracker,
+                 completer=None):
         self.recipe, self.cfg, self.accelerator, self.tracker = recipe, recipe.train, accelerator, tracker
-        self.source, self.eval_source = source, eval_source
+        self.source, self.eval_source, self.completer = source, eval_source, completer
         self.d2t, self.t2d = d2t.to(accelerator.device), t2d.to(accelerator.device)
         self.lm_head = lm_head_VH.to(accelerator.device)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -99,6 +100,8 @@ class Trainer:
     def device_batch(self, records: list[dict]) -> dict:
         batch = B.collate(records, self.cfg.max_batch_tokens)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        if self.completer is not None:
+            batch = self.completer(batch)
         return B.teacher_targets(batch, self.lm_head, self.d2t, self.t2d)
 
     # ------------------------------------------------------------ loop

@@ -182,6 +182,8 @@ class Recipe:
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 
+FINAL_FEATURE_KINDS = {"eagle2", "medusa", "mtp"}  # heads fed the target's final normed hidden state (HF hidden_states[-1])
+
 CHOICES = {
     "target.dtype": {"auto", "fp32", "bf16", "fp16"},
     "data.overflow": {"truncate", "drop"},
@@ -190,6 +192,7 @@ CHOICES = {
     "capture.mode": {"offline", "online"},
     "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
     "capture.compression": {"none", "zstd"},
+    "head.kind": {"eagle3"} | FINAL_FEATURE_KINDS,
     "train.tracking.backend": {"wandb", "none"},
     "export.dtype": {"bf16", "fp16", "fp32"},
 }

@@ -21,7 +21,7 @@ def _independent_features(model_dir, input_ids, layer_ids):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(input_ids=input_ids[None], output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[k][0] for k in layer_ids], dim=-1)
+    aux = torch.cat([out.hidden_states[k][0] for k in layer_ids], dim=-1) if layer_ids else None
     final = out.hidden_states[-1][0]  # HF applies the final norm to the last entry
     return aux, final
 
@@ -78,6 +78,30 @@ def test_each_layout_gives_the_trainer_exact_features(tmp_path, micro_target, la
         dataset, _ = load_train(recipe)
         spec = capture.CaptureSpec(**{k: store.manifest[k] for k in capture.CaptureSpec.__dataclass_fields__})
         assert abs(capture.projected_bytes(dataset, spec)["bytes"] - store.manifest["num_bytes"]) < 0.05 * store.manifest["num_bytes"]
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "medusa"])
+def test_heads_fed_the_final_hidden_state_store_it(tmp_path, micro_target, kind):
+    """EAGLE-1/2, Medusa and MTP read the final normed hidden state (HF hidden_states[-1]) at every
+    position: stored once, it is also the teacher at loss positions."""
+    from draftsmith.data.capture import run_capture
+    recipe = micro_recipe(tmp_path / "runs", micro_target, f"head.kind={kind}", "capture.dtype=fp32", "data.max_conversations=20")
+    run_data(recipe)
+    manifest = run_capture(recipe)
+    assert manifest["feature"] == "final" and manifest["layer_ids"] == [] and not manifest["recompute"]
+    store = CaptureStore(capture.capture_dir(recipe))
+    for i in (0, len(store) - 1):
+        sample = store[i]
+        _, final = _independent_features(recipe.target.model, sample["input_ids"], [])
+        keep = capture.needed_length(sample["loss_mask"].tolist())
+        assert sample["teacher"] is None and sample["aux"].shape == (keep, final.shape[-1])
+        torch.testing.assert_close(sample["aux"], final[:keep], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=f"no {kind} head is trainable"):
+        from draftsmith.heads.registry import get_head_class
+        get_head_class(kind)
+    bad = micro_recipe(tmp_path / "runs", micro_target, f"head.kind={kind}", "capture.layer_ids=[1,2]")
+    with pytest.raises(ValueError, match="layer ids apply to eagle3 only"):
+        capture.layer_ids_for(bad, 6)
 
 
 def test_compression_is_lossless():

@@ -82,7 +82,7 @@ def test_scripted_stub_drafters(tiny, mode, expected):
     assert all(a == expected for a in spec.accept_lengths[:-1])  # the last round may be cut by max tokens
 
 
-@pytest.mark.parametrize("depth,top_k,nodes", [(1, 1, 2), (3, 2, 6), (4, 4, 16), (6, 8, 40), (2, 10, 60)])
+@pytest.mark.parametrize("depth,top_k,nodes", [(1, 1, 2), (6, 1, 7), (3, 2, 6), (4, 4, 16), (6, 8, 40), (2, 10, 60)])
 def test_greedy_speculative_equals_plain_greedy(tiny, depth, top_k, nodes):
     model, runner = tiny
     head = random_head(model, seed=depth)
@@ -94,6 +94,21 @@ def test_greedy_speculative_equals_plain_greedy(tiny, depth, top_k, nodes):
         assert spec.tokens == base.tokens
         hf = model.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
         assert base.tokens == hf
+
+
+@pytest.mark.parametrize("depth,nodes", [(6, 7), (6, 4), (1, 2)])
+def test_chain_drafting_builds_the_dynamic_tree_with_top_k_1(tiny, depth, nodes):
+    model, runner = tiny
+    drafter = Eagle3Drafter(random_head(model, seed=11), 256, TreeConfig(depth, 1, nodes))
+    prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
+    runner.reset()
+    _, aux, _ = runner.prefill(prompt)
+    drafter.reset()
+    drafter.extend(prompt[1:], aux[:-1])
+    chain, general = drafter.draft_chain(prompt[-1]), drafter.draft_dynamic(prompt[-1])
+    assert len(chain) == min(depth + 1, nodes)
+    for key in ("tokens_N", "parent_N", "depth_N", "mask_NN"):
+        assert torch.equal(getattr(chain, key), getattr(general, key)), key
 
 
 def test_plain_runtime_matches_huggingface_logits(tiny):

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftsmith import artifacts
-from draftsmith.recipe import Recipe
+from draftsmith.recipe import FINAL_FEATURE_KINDS, Recipe
 
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0
@@ -39,13 +39,18 @@ CONVENTION = {
 
 
 def default_layer_ids(kind: str, num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high features; the final hidden for other kinds is always kept."""
+    """EAGLE-3's low/mid/high features; heads fed the final hidden state need no layer ids."""
     if kind == "eagle3":
         return [2, num_layers // 2, num_layers - 3]
     return []
 
 
 def layer_ids_for(recipe: Recipe, num_layers: int) -> list[int]:
+    if recipe.head.kind in FINAL_FEATURE_KINDS:
+        if recipe.capture.layer_ids:
+            raise ValueError(f"capture.layer_ids={recipe.capture.layer_ids}: head.kind={recipe.head.kind} is fed the "
+                             "final normed hidden state; layer ids apply to eagle3 only (remove the key)")
+        return []
     ids = recipe.capture.layer_ids if recipe.capture.layer_ids is not None else default_layer_ids(recipe.head.kind, num_layers)
     bad = [k for k in ids if not 0 <= k < num_layers]
     if bad:
@@ -184,6 +189,8 @@ def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str) -> tuple[
     device = next(extractor.model.parameters()).device
     aux, final = extractor(ids.to(device), attn.to(device))
     aux, final = (None if t is None else t.cpu() for t in (aux, final))  # records are host tensors (collate pads on host)
+    if not extractor.layer_ids:  # heads fed the final hidden: it is their feature, and the teacher where a loss is
+        aux, final = final, None
     records = []
     for r, mask in enumerate(rows["loss_mask"]):
         n = len(mask)
@@ -326,6 +333,7 @@ class CaptureSpec:
     recompute: bool
     stored_layer_ids: list[int]
     compression: str
+    feature: str = "layers"  # "layers": the hidden states entering layer_ids; "final": the final normed hidden state
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -344,15 +352,17 @@ def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: 
                          "from the embedding and the teacher from the highest; sort them or set capture.recompute: false")
     return CaptureSpec(recipe.target.model, target_fingerprint(recipe.target.model), recipe.head.kind, ids,
                        recipe.capture.dtype, hidden_size, data_manifest["inputs_hash"], recompute,
-                       ids[1:] if recompute else ids, recipe.capture.compression)
+                       ids[1:] if recompute else ids, recipe.capture.compression,
+                       "final" if recipe.head.kind in FINAL_FEATURE_KINDS else "layers")
 
 
 def projected_bytes(dataset, spec: CaptureSpec, feature_ratio: float = 1.0) -> dict:
     """Size of the store before anything is written, next to SpecForge's 4·H bf16 layout: exact
     without compression; with it, the feature bytes times `feature_ratio` (measured on a sample)."""
-    width = len(spec.stored_layer_ids) * spec.hidden_size
+    final = spec.feature == "final"  # the final hidden is the feature (and the teacher where a loss is)
+    width = spec.hidden_size if final else len(spec.stored_layer_ids) * spec.hidden_size
     aux_bytes = 1 if spec.dtype == "fp8" else STORE_DTYPES[spec.dtype].itemsize
-    teacher_bytes = (2 if spec.dtype == "fp8" else aux_bytes) * (not spec.recompute)
+    teacher_bytes = (2 if spec.dtype == "fp8" else aux_bytes) * (not spec.recompute and not final)
     features = other = tokens = 0
     for mask in dataset["loss_mask"]:
         keep, teachers = needed_length(mask), sum(mask[1:])

@@ -24,5 +24,9 @@ def get_head_class(kind: str) -> type:
     if not HEADS:
         from draftsmith.heads import eagle3  # noqa: F401  (registers itself)
     if kind not in HEADS:
+        from draftsmith.recipe import FINAL_FEATURE_KINDS
+        if kind in FINAL_FEATURE_KINDS:
+            raise ValueError(f"head.kind={kind!r}: its features can be captured, but no {kind} head is trainable in this "
+                             f"version; trainable kinds: {', '.join(sorted(HEADS))}")
         raise ValueError(f"head.kind={kind!r} is not a known head kind; valid kinds: {', '.join(sorted(HEADS))}")
     return HEADS[kind]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.runtime.compile import maybe_compile
-from draftsmith.runtime.tree import Tree, assemble_tree
+from draftsmith.runtime.tree import Tree, assemble_tree, chain_tree
 
 
 @dataclass
@@ -88,7 +88,26 @@ class Eagle3Drafter:
 
     @torch.no_grad()
     def draft_tree(self, root: torch.Tensor) -> Tree:
-        """EAGLE-2: expand the top-k frontier by cumulative log-prob `depth` times, rerank globally."""
+        """EAGLE-2: expand the top-k frontier by cumulative log-prob `depth` times, rerank globally.
+        With top_k 1 the tree is a chain, drafted without the frontier bookkeeping (same tree)."""
+        if self.tree_cfg.top_k == 1:
+            return self.draft_chain(root)
+        return self.draft_dynamic(root)
+
+    @torch.no_grad()
+    def draft_chain(self, root: torch.Tensor) -> Tree:
+        length = min(self.tree_cfg.depth, self.tree_cfg.num_nodes - 1)
+        draft_id = self.logits_last.argmax(-1, keepdim=True)
+        tokens, h = [self.head.to_target_ids(draft_id)], self.h_last[None]
+        for depth in range(1, length):
+            above = torch.ones(1, depth - 1, dtype=torch.bool, device=self.device)
+            out, logp = self._expand(tokens[-1], h, depth, depth - 1, above)
+            tokens.append(self.head.to_target_ids(logp.argmax(-1)))
+            h = out
+        return chain_tree(root, torch.cat(tokens))
+
+    @torch.no_grad()
+    def draft_dynamic(self, root: torch.Tensor) -> Tree:
         K, dev = self.tree_cfg.top_k, self.device
         logp = torch.log_softmax(self.logits_last, -1)
         score, draft_ids = torch.topk(logp, K)

@@ -78,4 +78,4 @@ def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
     n = len(tokens) + 1
     parent = torch.arange(-1, n - 1, device=root.device)
     depth = torch.arange(n, device=root.device)
-    return Tree(torch.cat([root.view(1), tokens]), parent, depth, ancestor_mask(parent, depth))
+    return Tree(torch.cat([root.view(1), tokens]), parent, depth, torch.ones(n, n, dtype=torch.bool, device=root.device).tril())

@@ -104,6 +104,22 @@ def test_heads_fed_the_final_hidden_state_store_it(tmp_path, micro_target, kind)
         capture.layer_ids_for(bad, 6)
 
 
+def test_compact_store_needs_the_kept_layers_weights(tmp_path, micro_target):
+    """A weight file without a layer the trainer must run: a clear error naming the file, the tensor and the way out."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from draftsmith.data.target import load_target_layers
+    target = shutil.copytree(micro_target, tmp_path / "target")
+    weights = load_file(target / "model.safetensors")
+    del weights["model.layers.6.mlp.up_proj.weight"]
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    recipe = micro_recipe(tmp_path / "runs", target)
+    with pytest.raises(ValueError, match=r"target: weight files lack \['model.layers.6.mlp.up_proj.weight'\].*capture.recompute: false"):
+        load_target_layers(recipe, torch.device("cpu"), skip=range(2, 5))
+    model = load_target_layers(recipe, torch.device("cpu"), skip=range(2, 7))  # layer 6 not needed: loads
+    assert not any(p.is_meta for p in model.parameters())
+
+
 def test_compression_is_lossless():
     x = torch.randn(37, 96) * 3
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):

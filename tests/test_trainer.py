@@ -115,6 +115,21 @@ def test_online_mode_gives_the_offline_first_loss(captured, tmp_path):
     assert float(la) == pytest.approx(float(lb), rel=2e-2)
 
 
+def test_compact_and_full_stores_give_the_same_losses(tmp_path, micro_target):
+    """fp32 stores: the compact layout (features rebuilt on the device) trains exactly like the full one."""
+    from draftsmith.train.run import build_trainer
+    losses = {}
+    for layout in ("true", "false"):
+        recipe = micro_recipe(tmp_path / layout, micro_target, "data.max_conversations=40", "capture.dtype=fp32",
+                              f"capture.recompute={layout}", "train.max_steps=3")
+        run_data(recipe)
+        run_capture(recipe)
+        trainer = build_trainer(recipe)
+        assert (trainer.completer is not None) == (layout == "true")
+        losses[layout] = [float(trainer.train_step(b)["loss"]) for b, _ in zip(trainer.micro_batches(), range(3))]
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+
+
 def test_golden_first_losses(captured, tmp_path):
     """The micro recipe's first losses must not drift (regenerate with DRAFTSMITH_WRITE_GOLDEN=1)."""
     from draftsmith.train.run import build_trainer

@@ -347,7 +347,7 @@ def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: 
     from draftsmith.data.target import target_fingerprint
     ids = layer_ids_for(recipe, num_layers)
     recompute = recipe.capture.recompute and len(ids) >= 2  # heads without several features store them all
-    if recompute and ids != sorted(set(ids)):
+    if recompute and ids != sorted(ids):
         raise ValueError(f"capture.recompute needs ascending capture.layer_ids (got {ids}): the lowest is rebuilt "
                          "from the embedding and the teacher from the highest; sort them or set capture.recompute: false")
     return CaptureSpec(recipe.target.model, target_fingerprint(recipe.target.model), recipe.head.kind, ids,

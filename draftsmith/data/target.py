@@ -217,69 +217,68 @@ def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 96) -
     return conv["messages"][0]["content"], tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding, lm_head) weights alone, read from the weight files without loading the model.
-
-    Parameter names come from instantiating the architecture on the meta device, so this works for
-    any causal LM whose weights are safetensors; tied heads return the embedding twice."""
-    from safetensors import safe_open
+def _empty_target(model_dir: str):
+    """(config, the architecture with parameters on the meta device and buffers such as rotary
+    tables real): parameter names and module layout without reading any weight."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     check_model_path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    names: dict[int, list[str]] = {}
-    for name, param in meta.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    wanted = {"embedding": names[id(meta.get_input_embeddings().weight)],
-              "lm_head": names[id(meta.get_output_embeddings().weight)]}  # tied heads share all names
-    found: dict[str, torch.Tensor] = {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return config, model
+
+
+def _weight_name(model, module) -> str:
+    return next(f"{name}.weight" for name, m in model.named_modules() if m is module)
+
+
+def _read_weights(model_dir: str, names: set[str], why: str, optional: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The named tensors from the model's safetensors files, nothing else; a missing one is an error
+    (except `optional` ones, e.g. a tied lm_head)."""
+    from safetensors import safe_open
+    found = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for role, candidates in wanted.items():
-                for name in candidates:
-                    if role not in found and name in handle.keys():
-                        found[role] = handle.get_tensor(name)
-    if "lm_head" not in found and getattr(config.get_text_config(), "tie_word_embeddings", False) and "embedding" in found:
-        found["lm_head"] = found["embedding"]
-    missing = [wanted[role][0] for role in wanted if role not in found]
+            for name in names.intersection(handle.keys()):
+                found[name] = handle.get_tensor(name)
+    missing = sorted(names - set(found) - set(optional))
     if missing:
-        raise ValueError(f"{model_dir}: weight files lack {missing} (needed for the head's embedding and teacher)")
-    return found["embedding"], found["lm_head"]
+        raise ValueError(f"{model_dir}: weight files lack {missing[:4]}{' ...' if len(missing) > 4 else ''} ({why})")
+    return found
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding, lm_head) weights alone, read from the weight files without loading the model.
+    Names come from the architecture itself, so this works for any causal LM with safetensors
+    weights; a tied head returns the embedding twice."""
+    config, model = _empty_target(model_dir)
+    embed, head = _weight_name(model, model.get_input_embeddings()), _weight_name(model, model.get_output_embeddings())
+    found = _read_weights(model_dir, {embed, head}, "needed for the head's embedding and teacher",
+                          optional={head} if _tied(config) else set())
+    return found[embed], found.get(head, found[embed])
 
 
 def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     """The target with decoder layers `skip` never loaded (pass-through stand-ins), frozen: what the
     trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
     are read from the safetensors files, so a 70B target costs a few layers of memory."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from draftsmith.data.capture import Skip
-    model_dir = recipe.target.model
-    check_model_path(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) real
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config, model = _empty_target(recipe.target.model)
     layers = model.get_decoder().layers
     for i in skip:
         layers[i] = Skip()
+    head = _weight_name(model, model.get_output_embeddings())
+    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
+    state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "
+                          "capture with capture.recompute: false instead")
     dtype = resolve_dtype(recipe.target.dtype, device)
-    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
-    head = next(f"{name}.weight" for name, module in model.named_modules() if module is model.get_output_embeddings())
-    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if tied else set())
-    state = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in wanted.intersection(handle.keys()):
-                state[name] = handle.get_tensor(name).to(dtype)
-    missing = sorted(wanted - set(state))
-    if missing:
-        raise ValueError(f"{model_dir}: weight files lack {missing[:4]}{' ...' if len(missing) > 4 else ''}, needed to "
-                         "rebuild features at train time; capture with capture.recompute: false instead")
-    model.load_state_dict(state, strict=False, assign=True)
-    if tied:
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if _tied(config):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.requires_grad_(False)
     return model.eval().to(device)

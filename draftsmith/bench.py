@@ -5,7 +5,10 @@
    compact (default) layouts, bf16 and fp8, and each layout's effect on the trained head's simulated
    acceptance and on training speed (the compact store rebuilds two features at train time);
 3. training tokens/s and peak memory for TTT k = 1, 3, 7;
-4. the runtime: tau and speedups from `draftsmith validate` on held-out prompts.
+4. the runtime: tau and speedups from `draftsmith validate` on held-out prompts;
+5. head kinds side by side at equal training wall-clock (EAGLE-2 with k = 1 and its TTT default, and
+   EAGLE-3): tau, speedup, trainable parameters, training tokens/s, bytes per token stored.
+`--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
 
@@ -48,7 +51,9 @@ def bench_capture(recipe_path: str, overrides: list[str], num_samples: int = 256
     compressing and writing shards, per store layout."""
     from draftsmith.data import capture
     from draftsmith.data.prepare import load_train
-    from draftsmith.data.target import load_target
+    from draftsmith.heads.registry import capture_needs
+    from draftsmith.target.features import FeatureExtractor
+    from draftsmith.target.loading import load_target
     recipe = recipe_mod.load(recipe_path, overrides)
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe)
@@ -66,8 +71,8 @@ def bench_capture(recipe_path: str, overrides: list[str], num_samples: int = 256
     results = {"num_tokens": num_tokens, "plain_tokens_per_s": num_tokens / plain, "hidden_size": cfg.hidden_size}
     for name, layout in LAYOUTS.items():
         spec = capture.make_spec(recipe_mod.load(recipe_path, overrides + layout), cfg.num_hidden_layers,
-                                 cfg.hidden_size, data_manifest)
-        extractor = capture.FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute)
+                                 cfg.hidden_size, data_manifest, capture_needs(recipe.head.kind))
+        extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute)
         with tempfile.TemporaryDirectory() as tmp:
             writer = capture.ShardWriter(Path(tmp), 0, int(recipe.capture.shard_size_mb * 2**20), 0, spec.compression)
             start = time.perf_counter()
@@ -101,19 +106,73 @@ def bench_layouts(recipe_path: str, overrides: list[str], steps: int) -> dict:
     """Train the same head on each store layout (same data, steps, seed): held-out simulated
     acceptance (fp8's effect) and training tokens/s (the cost of rebuilding features at train time)."""
     from draftsmith.data.capture import run_capture
+    from draftsmith.heads.registry import capture_needs
     from draftsmith.train.run import build_trainer
     out = {}
     for name, layout in LAYOUTS.items():
         recipe = recipe_mod.load(recipe_path, overrides + layout + [f"train.max_steps={steps}", f"name=bench-{name}",
                                                                     "train.save_every=100000", "train.eval_every=100000"])
         _link_data(recipe, recipe_mod.load(recipe_path, overrides))
-        run_capture(recipe)
+        run_capture(recipe, capture_needs(recipe.head.kind))
         trainer = build_trainer(recipe)
         start = time.perf_counter()
         final = trainer.run()
         seconds = time.perf_counter() - start
         out[name] = {"eval_sim_accept_len": final.get("eval_sim_accept_len"), "eval_acc_0": final.get("eval_acc_0"),
                      "train_tokens_per_s": trainer.tokens / seconds}
+    return out
+
+
+HEAD_RUNS = {  # name -> (recipe, overrides); compared at the same training wall-clock
+    "eagle2-k1": ("recipes/demo/stdlib-code-eagle2.yaml", ["head.ttt_steps=1"]),
+    "eagle2-k3": ("recipes/demo/stdlib-code-eagle2.yaml", ["head.ttt_steps=3"]),
+    "eagle3-k7": ("recipes/demo/stdlib-code-eagle3.yaml", []),
+}
+
+
+def _steps_for(recipe, seconds: float, probe_steps: int = 12) -> tuple[int, float]:
+    """(optimizer steps that fit `seconds` of training, measured tokens/s) for this recipe's head."""
+    from draftsmith.train.run import build_trainer
+    trainer = build_trainer(recipe)
+    batches = trainer.micro_batches()
+    trainer.train_step(next(batches))  # warm-up
+    start, tokens = time.perf_counter(), trainer.tokens
+    for _ in range(probe_steps):
+        trainer.train_step(next(batches))
+    per_step = (time.perf_counter() - start) / probe_steps
+    return max(1, int(seconds / per_step / recipe.train.grad_accum)), (trainer.tokens - tokens) / (per_step * probe_steps)
+
+
+def bench_heads(data_recipe, overrides: list[str], seconds: float) -> dict:
+    """Each head kind trained for the same wall-clock on the demo's data, then validated."""
+    import shutil
+    from draftsmith import artifacts
+    from draftsmith.data.capture import run_capture
+    from draftsmith.heads.registry import capture_needs
+    from draftsmith.runtime.validate import run_validate
+    from draftsmith.train.run import run_train
+    out = {}
+    for name, (path, extra) in HEAD_RUNS.items():
+        base = overrides + extra + [f"name=bench-heads-{name}", "train.save_every=100000", "train.eval_every=100000"]
+        recipe = recipe_mod.load(path, base)
+        _link_data(recipe, data_recipe)
+        manifest = run_capture(recipe, capture_needs(recipe.head.kind))
+        steps, tokens_per_s = _steps_for(recipe, seconds)
+        shutil.rmtree(recipe.run_dir / "train", ignore_errors=True)
+        recipe = recipe_mod.load(path, base + [f"train.max_steps={steps}"])
+        start = time.perf_counter()
+        run_train(recipe)
+        train_seconds = time.perf_counter() - start
+        tensors, _ = artifacts.load_checkpoint(recipe.run_dir / "head")
+        trainable = sum(t.numel() for k, t in tensors.items() if t.is_floating_point())
+        val = run_validate(recipe)
+        report = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+        out[name] = {"kind": recipe.head.kind, "train_steps": steps, "train_seconds": train_seconds,
+                     "train_tokens_per_s": tokens_per_s, "trainable_parameters": trainable,
+                     "bytes_per_token": manifest["bytes_per_token"], "tau": val["tau"], "speedup_vs_plain": val["speedup_vs_plain"],
+                     "exact": f"{report['num_exact']}/{report['num_prompts']}",
+                     "acceptance_per_depth": report["acceptance_per_depth"], "draft_to_target_cost_c": report["draft_to_target_cost_c"]}
+        print(f"[bench] {name}: {out[name]}", flush=True)
     return out
 
 
@@ -133,20 +192,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="BENCHMARKS.md")
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--layout-steps", type=int, default=300)
+    parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
+    parser.add_argument("--sections", default="capture,train,layouts,runtime,heads",
+                        help="comma-separated subset to re-measure; the others are kept from the existing .json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     from draftsmith import stages
     recipe = recipe_mod.load(args.recipe, args.overrides)
     print(stages.run_all(recipe), flush=True)  # the pipeline as `draftsmith run` runs it (stale stages redone)
-    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "recipe": args.recipe, "layout_steps": args.layout_steps,
-               "capture": bench_capture(args.recipe, args.overrides),
-               "train": {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
-               "layouts": bench_layouts(args.recipe, args.overrides, args.layout_steps),
-               "runtime": json.loads((recipe.run_dir / "validate" / "validation.json").read_text())}
-    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
+    sections = set(args.sections.split(","))
+    json_path = Path(args.out).with_suffix(".json")
+    results = json.loads(json_path.read_text()) if json_path.exists() and sections != set(SECTIONS) else {}
+    results.update(machine=machine(), date=time.strftime("%Y-%m-%d"), recipe=args.recipe)
+    measure = {"capture": lambda: bench_capture(args.recipe, args.overrides),
+               "train": lambda: {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
+               "layouts": lambda: bench_layouts(args.recipe, args.overrides, args.layout_steps),
+               "runtime": lambda: json.loads((recipe.run_dir / "validate" / "validation.json").read_text()),
+               "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds)}
+    for section in SECTIONS:
+        if section in sections:
+            results[section] = measure[section]()
+            results.setdefault("measured", {})[section] = f"{time.strftime('%Y-%m-%d')}, {machine()}"
+    if "layouts" in sections:
+        results["layout_steps"] = args.layout_steps
+    json_path.write_text(json.dumps(results, indent=2, default=str))
     Path(args.out).write_text(render(results))
     print(render(results))
     return 0
+
+
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads"]
 
 
 def render(r: dict) -> str:
@@ -191,7 +266,24 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _shortfalls(r))
+
+
+def _render_heads(r: dict) -> list[str]:
+    if "heads" not in r:
+        return []
+    lines = ["## Head kinds at equal training wall-clock (issue #11)", "",
+             f"Each head trained for the same wall-clock on the demo's data ({r.get('measured', {}).get('heads', r['date'])}), "
+             "then validated like the runtime section (same prompts, chain depth and tree settings from its recipe). "
+             "EAGLE-2 drafts over the full vocabulary through the target's lm_head; EAGLE-3 over its 1024-token draft "
+             "vocabulary.", "",
+             "| head | TTT k | train steps (s) | training tokens/s | trainable params | store bytes/token | tau | speedup vs plain | greedy exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, h in r["heads"].items():
+        lines.append(f"| {name} | {name.rsplit('-k', 1)[-1]} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['train_tokens_per_s']:.0f} | "
+                     f"{h['trainable_parameters'] / 1e6:.2f}M | {h['bytes_per_token']:.0f} | {h['tau']:.2f} | "
+                     f"{h['speedup_vs_plain']:.2f}x | {h['exact']} |")
+    return lines + [""]
 
 
 def _shortfalls(r: dict) -> list[str]:

@@ -39,14 +39,16 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output directory (default: <run>/validate)")
         if name == "export":
             p.add_argument("--head", help="checkpoint directory (default: <run>/head)")
-            p.add_argument("--to", dest="engine", choices=["sglang", "vllm", "speculators"], help="engine format")
+            p.add_argument("--to", dest="engine", help="engine format (eagle3: sglang, vllm, speculators)")
             p.add_argument("--out", help="output directory (default: <run>/export/<engine>)")
             p.add_argument("--allow-unvalidated", action="store_true", help="export without a passing validation.json")
     return parser
 
 
 def _load(args) -> recipe_mod.Recipe:
+    from draftsmith.heads.registry import capture_needs
     recipe = recipe_mod.load(args.recipe, args.overrides)
+    capture_needs(recipe.head.kind)  # an unknown head.kind fails here, listing the valid kinds
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     (recipe.run_dir / "recipe.yaml").write_text(recipe_mod.dump(recipe))
     return recipe

@@ -97,11 +97,17 @@ class CaptureConfig:
 
 @dataclass
 class HeadConfig:
+    """Which head and its objective. Keys a kind does not read are ignored by it (see README)."""
     kind: str = "eagle3"
-    draft_vocab_size: int = 32000
-    ttt_steps: int = 7
-    loss_decay: float = 0.8
+    draft_vocab_size: int = 32000       # eagle3: the draft vocabulary (eagle2 drafts over the full one)
+    ttt_steps: int | None = None        # unrolled training-time-test steps; None: the kind's default
+    loss_decay: float = 0.8             # weight decay^i of unrolled step i
     intermediate_size: int | None = None
+    fc_bias: bool | None = None         # eagle2: bias of fc; None: as the target family's published heads
+    feature_weight: float = 1.0         # eagle2: SmoothL1 feature regression weight (EAGLE: 1.0)
+    token_weight: float = 0.1           # eagle2: soft cross-entropy weight (EAGLE: 0.1)
+    input_noise: float = 0.0            # eagle2: uniform feature noise width, x 512/seq_len (EAGLE: 0.2)
+    init_from: str | None = None        # start from a published/exported head of this kind
 
 
 @dataclass
@@ -147,7 +153,7 @@ class ValidateConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["sglang", "vllm", "speculators"])
+    formats: list[str] | None = None  # None: every engine the head kind exports to
     dtype: str = "bf16"
 
 
@@ -182,8 +188,6 @@ class Recipe:
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 
-FINAL_FEATURE_KINDS = {"eagle2", "medusa", "mtp"}  # heads fed the target's final normed hidden state (HF hidden_states[-1])
-
 CHOICES = {
     "target.dtype": {"auto", "fp32", "bf16", "fp16"},
     "data.overflow": {"truncate", "drop"},
@@ -192,7 +196,6 @@ CHOICES = {
     "capture.mode": {"offline", "online"},
     "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
     "capture.compression": {"none", "zstd"},
-    "head.kind": {"eagle3"} | FINAL_FEATURE_KINDS,
     "train.tracking.backend": {"wandb", "none"},
     "export.dtype": {"bf16", "fp16", "fp32"},
 }

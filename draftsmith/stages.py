@@ -13,7 +13,8 @@ ORDER = ["target", "data", "capture", "train", "validate", "export"]
 
 
 def stage_target(recipe: Recipe, args=None):
-    from draftsmith.data.target import build_embedded_target, check_model_path
+    from draftsmith.target.embedded import build_embedded_target
+    from draftsmith.target.loading import check_model_path
     if recipe.target.embedded is None:
         from transformers import AutoConfig
         check_model_path(recipe.target.model)
@@ -36,7 +37,9 @@ def stage_capture(recipe: Recipe, args=None):
         return f"{capture.capture_dir(recipe)}: every shard matches its checksum"
     if recipe.capture.mode == "online":
         return "capture.mode=online: the trainer runs the target in-process; nothing to store"
-    result = capture.run_capture(recipe, dry_run=bool(args is not None and getattr(args, "dry_run", False)))
+    from draftsmith.heads.registry import capture_needs
+    result = capture.run_capture(recipe, capture_needs(recipe.head.kind),
+                                 dry_run=bool(args is not None and getattr(args, "dry_run", False)))
     return {k: v for k, v in result.items() if k != "shards"} | ({"num_shards": len(result["shards"])} if "shards" in result else {})
 
 
@@ -57,7 +60,11 @@ def stage_export(recipe: Recipe | None, args=None):
     if recipe is None and not getattr(args, "head", None):
         raise ValueError("export needs --head CKPT or --recipe R")
     head = getattr(args, "head", None) or str(head_dir(recipe))
-    engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else ["sglang"])
+    engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else None)
+    if not engines:  # every engine the head's kind exports to
+        from draftsmith import artifacts as arts
+        from draftsmith.heads.registry import head_spec
+        engines = list(head_spec(arts.read_json(Path(head) / "head.json").get("kind", "eagle3")).formats.ADAPTERS)
     dtype = recipe.export.dtype if recipe else "bf16"
     chosen_out = getattr(args, "out", None) if len(engines) == 1 else None  # --out names one engine's folder
     base = Path(recipe.run_dir) if recipe else Path(head).parent
@@ -75,12 +82,12 @@ STAGE_FUNCS = {"target": stage_target, "data": stage_data, "capture": stage_capt
 def is_current(stage: str, recipe: Recipe) -> bool:
     """A stage is current when its manifest exists, is complete and was made from these inputs."""
     from draftsmith.data import capture, prepare
-    from draftsmith.data.target import target_fingerprint
+    from draftsmith.target.loading import target_fingerprint
     from draftsmith.train.trainer import head_dir, train_inputs_hash
     if stage == "target":
         if recipe.target.embedded is None:
             return True
-        from draftsmith.data.target import embedded_inputs_hash
+        from draftsmith.target.embedded import embedded_inputs_hash
         return artifacts.stage_is_current(recipe.target.model, "target", embedded_inputs_hash(recipe))
     if stage == "data":
         current = artifacts.stage_is_current(prepare.data_dir(recipe), "data", prepare.inputs_hash(recipe))

@@ -8,12 +8,14 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.data.capture import FeatureExtractor
+from draftsmith.heads.drafting import TreeConfig
+from draftsmith.heads.eagle3.draft import Eagle3Drafter
 from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
-from draftsmith.runtime.draft import Eagle3Drafter, TreeConfig
+from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
+from draftsmith.target.features import FeatureExtractor
 
 
 def build(dtype):
@@ -30,6 +32,23 @@ def build(dtype):
     return model, head, ids
 
 
+def check_eagle2() -> dict:
+    """EAGLE-2 on CUDA (fp32, CUDA graphs): the family-layer head fed the final hidden state."""
+    from draftsmith.heads.eagle2.draft import Eagle2Drafter
+    from draftsmith.heads.eagle2.model import Eagle2Head, draft_config_from_target as eagle2_config
+    model, _, _ = build(torch.float32)
+    head = Eagle2Head(eagle2_config(model.config)).to("cuda").eval()
+    head.load_target_weights(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    runner = TargetRunner(model, 1024, [])
+    drafter = Eagle2Drafter(head, 1024, TreeConfig(5, 8, 40), step_compiler("auto", torch.device("cuda")))
+    same = 0
+    for seed in range(4):
+        prompt = torch.randint(0, 32000, (64,), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        same += plain_generate(runner, prompt, 96, SamplingConfig(), set()).tokens == \
+            speculative_generate(runner, drafter, prompt, 96, SamplingConfig(), set()).tokens
+    return {"identical": same == 4, "identical_prompts": f"{same}/4"}
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -37,7 +56,8 @@ def main() -> int:
     out = {"device": torch.cuda.get_device_name(0)}
     for dtype in (torch.float32, torch.bfloat16):
         model, head, ids = build(dtype)
-        runner, drafter = TargetRunner(model, 1024, ids), Eagle3Drafter(head, 1024, TreeConfig(6, 8, 48))
+        runner, drafter = TargetRunner(model, 1024, ids), Eagle3Drafter(head, 1024, TreeConfig(6, 8, 48),
+                                                                   step_compiler("auto", torch.device("cuda")))
         same, t_plain, t_spec = 0, 0.0, 0.0
         for seed in range(8):
             prompt = torch.randint(0, 32000, (64,), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
@@ -48,6 +68,9 @@ def main() -> int:
         out[str(dtype)] = {"identical_prompts": f"{same}/8", "plain_s": round(t_plain, 3), "spec_s": round(t_spec, 3)}
         if dtype == torch.float32 and same != 8:
             out["error"] = "fp32 greedy speculative output differs from plain greedy on CUDA"
+    out["eagle2_fp32"] = check_eagle2()
+    if not out["eagle2_fp32"]["identical"]:
+        out["error"] = "fp32 greedy EAGLE-2 speculative output differs from plain greedy on CUDA"
     model, head, ids = build(torch.float32)
     head.train()
     extractor = FeatureExtractor(model, ids)

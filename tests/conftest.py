@@ -35,7 +35,7 @@ def session_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def micro_target(session_dir) -> Path:
-    from draftsmith.data.target import build_embedded_target
+    from draftsmith.target.embedded import build_embedded_target
     target_dir = session_dir / "targets" / "micro"
     recipe = micro_recipe(session_dir / "runs", target_dir)
     build_embedded_target(recipe, target_dir, recipe.data.heldout_fraction)
@@ -46,11 +46,12 @@ def micro_target(session_dir) -> Path:
 def micro_pipeline(session_dir, micro_target):
     """data -> capture -> train on the micro target; returns the recipe."""
     from draftsmith.data.capture import run_capture
+    from draftsmith.heads.registry import capture_needs
     from draftsmith.data.prepare import run_data
     from draftsmith.train.run import run_train
     recipe = micro_recipe(session_dir / "runs", micro_target)
     run_data(recipe)
-    run_capture(recipe)
+    run_capture(recipe, capture_needs(recipe.head.kind))
     run_train(recipe)
     return recipe
 

@@ -12,7 +12,10 @@ from conftest import ROOT, micro_recipe
 from draftsmith import artifacts
 from draftsmith.data import capture
 from draftsmith.data.prepare import load_train, run_data
+from draftsmith.data import records
 from draftsmith.data.store import CaptureStore
+from draftsmith.heads.registry import capture_needs
+from draftsmith.target import features
 
 
 def _independent_features(model_dir, input_ids, layer_ids):
@@ -28,13 +31,13 @@ def _independent_features(model_dir, input_ids, layer_ids):
 
 def _trainer_view(store: CaptureStore, recipe, indices: list[int]) -> dict:
     """Samples as the trainer sees them: collated, and a compact store's features rebuilt."""
-    from draftsmith.data.target import load_target_layers
+    from draftsmith.target.loading import load_target_layers
     from draftsmith.train.batches import collate
     batch = collate([store[i] for i in indices], 10**6)
     if store.manifest["recompute"]:
         ids = store.manifest["layer_ids"]
         model = load_target_layers(recipe, torch.device("cpu"), skip=range(ids[0], ids[-1]))
-        batch = capture.FeatureCompleter(model, ids)(batch)
+        batch = features.FeatureCompleter(model, ids)(batch)
     return batch
 
 
@@ -70,7 +73,7 @@ def test_each_layout_gives_the_trainer_exact_features(tmp_path, micro_target, la
     from draftsmith.data.capture import run_capture
     recipe = micro_recipe(tmp_path / "runs", micro_target, "capture.dtype=fp32", "data.max_conversations=40", *layout)
     run_data(recipe)
-    run_capture(recipe)
+    run_capture(recipe, capture_needs(recipe.head.kind))
     store = CaptureStore(capture.capture_dir(recipe))
     assert (store[0]["teacher"] is None) == store.manifest["recompute"]
     _check_against_transformers(recipe, store, atol=1e-5, rtol=1e-5)
@@ -87,28 +90,29 @@ def test_heads_fed_the_final_hidden_state_store_it(tmp_path, micro_target, kind)
     from draftsmith.data.capture import run_capture
     recipe = micro_recipe(tmp_path / "runs", micro_target, f"head.kind={kind}", "capture.dtype=fp32", "data.max_conversations=20")
     run_data(recipe)
-    manifest = run_capture(recipe)
+    manifest = run_capture(recipe, capture_needs(recipe.head.kind))
     assert manifest["feature"] == "final" and manifest["layer_ids"] == [] and not manifest["recompute"]
     store = CaptureStore(capture.capture_dir(recipe))
     for i in (0, len(store) - 1):
         sample = store[i]
         _, final = _independent_features(recipe.target.model, sample["input_ids"], [])
-        keep = capture.needed_length(sample["loss_mask"].tolist())
+        keep = records.needed_length(sample["loss_mask"].tolist())
         assert sample["teacher"] is None and sample["aux"].shape == (keep, final.shape[-1])
         torch.testing.assert_close(sample["aux"], final[:keep], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=f"no {kind} head is trainable"):
-        from draftsmith.heads.registry import get_head_class
-        get_head_class(kind)
+    from draftsmith.heads.registry import CAPTURE_ONLY, get_head_class
+    if kind in CAPTURE_ONLY:
+        with pytest.raises(ValueError, match=f"no {kind} head is trainable"):
+            get_head_class(kind)
     bad = micro_recipe(tmp_path / "runs", micro_target, f"head.kind={kind}", "capture.layer_ids=[1,2]")
     with pytest.raises(ValueError, match="layer ids apply to eagle3 only"):
-        capture.layer_ids_for(bad, 6)
+        capture.layer_ids_for(bad, 6, capture_needs(kind))
 
 
 def test_compact_store_needs_the_kept_layers_weights(tmp_path, micro_target):
     """A weight file without a layer the trainer must run: a clear error naming the file, the tensor and the way out."""
     import shutil
     from safetensors.torch import load_file, save_file
-    from draftsmith.data.target import load_target_layers
+    from draftsmith.target.loading import load_target_layers
     target = shutil.copytree(micro_target, tmp_path / "target")
     weights = load_file(target / "model.safetensors")
     del weights["model.layers.6.mlp.up_proj.weight"]
@@ -124,17 +128,17 @@ def test_compression_is_lossless():
     x = torch.randn(37, 96) * 3
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
         y = x.to(dtype)
-        blob = capture.encode(y)
+        blob = records.encode(y)
         assert blob.dtype == torch.uint8
-        assert torch.equal(capture.decode(blob, dtype, 96).view(torch.uint8), y.view(torch.uint8))
+        assert torch.equal(records.decode(blob, dtype, 96).view(torch.uint8), y.view(torch.uint8))
 
 
 def test_recompute_needs_ascending_layer_ids(tmp_path, micro_target):
     recipe = micro_recipe(tmp_path / "runs", micro_target, "capture.layer_ids=[4,1,2]")
     with pytest.raises(ValueError, match=r"capture.recompute needs ascending capture.layer_ids \(got \[4, 1, 2\]\)"):
-        capture.make_spec(recipe, 6, 64, {"inputs_hash": "x"})
+        capture.make_spec(recipe, 6, 64, {"inputs_hash": "x"}, capture_needs("eagle3"))
     recipe = micro_recipe(tmp_path / "runs", micro_target, "capture.layer_ids=[4,1,2]", "capture.recompute=false")
-    assert capture.make_spec(recipe, 6, 64, {"inputs_hash": "x"}).stored_layer_ids == [4, 1, 2]
+    assert capture.make_spec(recipe, 6, 64, {"inputs_hash": "x"}, capture_needs("eagle3")).stored_layer_ids == [4, 1, 2]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
@@ -145,8 +149,8 @@ def test_feature_extractor_on_other_architectures(tmp_path, arch):
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path / arch)
     ids = torch.randint(0, 128, (20,))
-    layer_ids = capture.default_layer_ids("eagle3", 7)
-    extractor = capture.FeatureExtractor(model, layer_ids)
+    layer_ids = capture_needs("eagle3").default_layer_ids(7)
+    extractor = features.FeatureExtractor(model, layer_ids)
     aux, final = extractor(ids[None])
     ref_aux, ref_final = _independent_features(tmp_path / arch, ids, layer_ids)
     torch.testing.assert_close(aux[0], ref_aux)
@@ -155,9 +159,9 @@ def test_feature_extractor_on_other_architectures(tmp_path, arch):
 
 def test_fp8_rows_keep_relative_precision():
     x = torch.randn(50, 96) * torch.logspace(-3, 3, 50)[:, None]
-    q, scale = capture.quantize(x, "fp8")
+    q, scale = records.quantize(x, "fp8")
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (50,)
-    err = (capture.dequantize(q, scale) - x).abs().amax(-1) / x.abs().amax(-1)
+    err = (records.dequantize(q, scale) - x).abs().amax(-1) / x.abs().amax(-1)
     assert err.max() < 0.07  # e4m3 has a 3-bit mantissa: ~6% worst case per row, whatever the row's scale
 
 
@@ -167,7 +171,7 @@ def test_dry_run_projection_matches_written_bytes(micro_pipeline):
     manifest = artifacts.read_manifest(capture.capture_dir(recipe), "capture")
     spec = capture.CaptureSpec(**{k: manifest[k] for k in capture.CaptureSpec.__dataclass_fields__})
     projected = capture.projected_bytes(dataset, spec)  # no compression ratio given: the raw size
-    dry = capture.run_capture(recipe, dry_run=True)  # compression measured on a sample of the data
+    dry = capture.run_capture(recipe, capture_needs(recipe.head.kind), dry_run=True)  # compression measured on a sample of the data
     assert abs(dry["bytes"] - manifest["num_bytes"]) / manifest["num_bytes"] < 0.05  # headers aside
     assert dry["bytes"] < projected["bytes"] and 0 < dry["compression_ratio"] < 1
     assert manifest["bytes_per_token"] / manifest["specforge_bytes_per_token"] < 0.5  # issue #3's goal, bf16
@@ -232,7 +236,7 @@ def test_kill_9_mid_capture_then_resume(tmp_path, micro_target):
 def _clean_capture(tmp_path, micro_target):
     recipe = micro_recipe(tmp_path / "clean", micro_target, "capture.shard_size_mb=0.05", "capture.batch_tokens=256")
     run_data(recipe)
-    capture.run_capture(recipe)
+    capture.run_capture(recipe, capture_needs(recipe.head.kind))
     return recipe
 
 
@@ -257,8 +261,8 @@ def test_two_process_capture_merges_one_manifest(tmp_path, micro_target):
 def test_store_of_other_spec_is_restarted(tmp_path, micro_target):
     recipe = micro_recipe(tmp_path / "runs", micro_target, "data.max_conversations=12")
     run_data(recipe)
-    capture.run_capture(recipe)
+    capture.run_capture(recipe, capture_needs(recipe.head.kind))
     other = micro_recipe(tmp_path / "runs", micro_target, "data.max_conversations=12", "capture.dtype=fp8")
-    manifest = capture.run_capture(other)
+    manifest = capture.run_capture(other, capture_needs(other.head.kind))
     assert manifest["dtype"] == "fp8" and manifest["num_samples"] == 12
     assert CaptureStore(capture.capture_dir(other))[0]["aux"].dtype == torch.float32

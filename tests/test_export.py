@@ -10,9 +10,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from draftsmith import artifacts
-from draftsmith.heads.eagle3.loss import shift_left
+from draftsmith.heads.ttt import shift_left
 from draftsmith.runtime.export import export_head
-from draftsmith.runtime.loading import load_head
+from draftsmith.heads.loading import load_head
 from draftsmith.runtime.validate import run_validate
 from draftsmith.train.trainer import head_dir
 

@@ -6,10 +6,12 @@ from hypothesis import given, settings, strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
-from draftsmith.runtime.draft import Eagle3Drafter, TreeConfig
+from draftsmith.heads.drafting import TreeConfig
+from draftsmith.heads.eagle3.draft import Eagle3Drafter
+from draftsmith.heads.tree import Tree, ancestor_mask, assemble_tree, chain_tree, static_tree
+from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
-from draftsmith.runtime.tree import Tree, ancestor_mask, assemble_tree, chain_tree, static_tree
 from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_sampling
 
 GREEDY = SamplingConfig()
@@ -272,7 +274,7 @@ def test_compiled_fixed_shape_steps_trace_and_stay_exact(tiny):
     dynamo traces the very same functions (eager backend, CPU): they must compile and stay exact."""
     model, plain_runner = tiny
     runner = TargetRunner(model, 256, LAYERS, compile_mode="eager")
-    drafter = Eagle3Drafter(random_head(model, seed=5), 256, TreeConfig(3, 2, 6), compile_mode="eager")
+    drafter = Eagle3Drafter(random_head(model, seed=5), 256, TreeConfig(3, 2, 6), step_compiler("eager", model.device))
     for seed in range(3):
         prompt = torch.randint(0, 96, (7 + seed,), generator=torch.Generator().manual_seed(seed))
         base = plain_generate(plain_runner, prompt, 16, GREEDY, set())

@@ -13,6 +13,7 @@ from conftest import ROOT, micro_recipe
 from draftsmith import artifacts
 from draftsmith.data.capture import run_capture
 from draftsmith.data.prepare import run_data
+from draftsmith.heads.registry import capture_needs
 from draftsmith.train.trainer import complete_checkpoints, head_dir, train_dir
 
 MICRO = str(ROOT / "recipes/demo/micro-eagle3.yaml")
@@ -35,7 +36,7 @@ def captured(tmp_path_factory, micro_target):
     base = tmp_path_factory.mktemp("trainer")
     recipe = micro_recipe(base, micro_target, "data.max_conversations=80")
     run_data(recipe)
-    run_capture(recipe)
+    run_capture(recipe, capture_needs(recipe.head.kind))
     return recipe
 
 
@@ -51,8 +52,8 @@ def test_kill_and_resume_continues_the_same_loss_curve(captured, tmp_path):
     args = ["data.max_conversations=80", "train.max_steps=12", "train.save_every=6"]
     subprocess.run(_train_cmd(straight, *args), check=True, capture_output=True)
     killed = _copy_run(captured, tmp_path / "b")
-    env = dict(os.environ, DRAFTSMITH_KILL_AT_STEP="8")  # dies 2 steps after the step-6 checkpoint
-    proc = subprocess.run(_train_cmd(killed, *args), env=env, capture_output=True)
+    die_after_8 = [sys.executable, str(Path(__file__).parent / "fixtures" / "train_until_killed.py"), "8"]
+    proc = subprocess.run(die_after_8 + _train_cmd(killed, *args)[3:], capture_output=True)  # 2 steps after the step-6 checkpoint
     assert proc.returncode == 9
     assert [p.name for p in complete_checkpoints(train_dir(killed) / "checkpoints")] == ["step-00000006"]
     assert not head_dir(killed).exists()
@@ -123,7 +124,7 @@ def test_compact_and_full_stores_give_the_same_losses(tmp_path, micro_target):
         recipe = micro_recipe(tmp_path / layout, micro_target, "data.max_conversations=40", "capture.dtype=fp32",
                               f"capture.recompute={layout}", "train.max_steps=3")
         run_data(recipe)
-        run_capture(recipe)
+        run_capture(recipe, capture_needs(recipe.head.kind))
         trainer = build_trainer(recipe)
         assert (trainer.completer is not None) == (layout == "true")
         losses[layout] = [float(trainer.train_step(b)["loss"]) for b, _ in zip(trainer.micro_batches(), range(3))]

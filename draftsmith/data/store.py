@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import artifacts
-from draftsmith.data.capture import decode, to_sample
+from draftsmith.data.records import decode, to_sample
 
 
 class CaptureStore(torch.utils.data.Dataset):

@@ -1,32 +1,66 @@
-"""One registry: head kind -> class. Every head plugs into the one trainer through this interface.
+"""One registry: head kind -> `HeadSpec`, the small object that names a kind's parts. Adding a kind
+is adding a package under heads/ that defines `SPEC`, plus its line in `PACKAGES`.
 
-A head class provides:
-  - `from_target(target_config, head_cfg, draft_vocab, layer_ids)`: build sized from the target's config;
-  - `capture_layers(num_target_layers)`: which hidden states the capture stage must store;
-  - `loss(batch) -> (loss, metrics)`: the training objective (the trainer owns everything else);
-  - `draft_config()`: the HF-style config dict written into checkpoints and exports;
-  - `trainable_state()`: the tensors a checkpoint keeps (frozen target weights left out).
+A kind's package holds everything about it:
+  model.py    the module and its config: `from_target(target_config, head_cfg, layer_ids)`,
+              `from_config(config)`, `loss(batch) -> (loss, metrics)`, `draft_config()`,
+              `trainable_state()`, `set_vocab(d2t, t2d)`, `load_target_weights(embed, lm_head)`
+  loss.py     its training objective
+  draft.py    its drafter for the runtime (heads/drafting.py's interface)
+  formats.py  engine export adapters (`ADAPTERS`, `REQUIRED`, `model_card`, `serve_command`) and
+              import of published layouts (`recognizes(config)`, `import_layout(path, config, target_config)`)
 """
 from __future__ import annotations
 
-HEADS: dict[str, type] = {}
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from draftsmith.target.features import FINAL, FeatureNeeds
+
+PACKAGES = {
+    "eagle2": "draftsmith.heads.eagle2",
+    "eagle3": "draftsmith.heads.eagle3",
+}
+# kinds whose features the capture stage can already store, but that have no head yet
+CAPTURE_ONLY = {"medusa": FINAL, "mtp": FINAL}
 
 
-def register(kind: str):
-    def add(cls):
-        HEADS[kind] = cls
-        cls.kind = kind
-        return cls
-    return add
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str
+    model: type            # the nn.Module class
+    drafter: type          # implements heads.drafting.Drafter
+    formats: ModuleType    # the kind's formats module
+    features: FeatureNeeds  # what capture stores / the runtime feeds the drafter
+
+
+def known_kinds() -> list[str]:
+    return sorted(PACKAGES)
+
+
+def head_spec(kind: str) -> HeadSpec:
+    if kind not in PACKAGES:
+        if kind in CAPTURE_ONLY:
+            raise ValueError(f"head.kind={kind!r}: its features can be captured, but no {kind} head is trainable in this "
+                             f"version; trainable kinds: {', '.join(known_kinds())}")
+        raise ValueError(f"head.kind={kind!r} is not a known head kind; valid kinds: {', '.join(known_kinds())}")
+    return importlib.import_module(PACKAGES[kind]).SPEC
+
+
+def capture_needs(kind: str) -> FeatureNeeds:
+    """What the capture stage stores for `kind` (also for kinds that are not trainable yet)."""
+    return CAPTURE_ONLY[kind] if kind in CAPTURE_ONLY else head_spec(kind).features
 
 
 def get_head_class(kind: str) -> type:
-    if not HEADS:
-        from draftsmith.heads import eagle3  # noqa: F401  (registers itself)
-    if kind not in HEADS:
-        from draftsmith.recipe import FINAL_FEATURE_KINDS
-        if kind in FINAL_FEATURE_KINDS:
-            raise ValueError(f"head.kind={kind!r}: its features can be captured, but no {kind} head is trainable in this "
-                             f"version; trainable kinds: {', '.join(sorted(HEADS))}")
-        raise ValueError(f"head.kind={kind!r} is not a known head kind; valid kinds: {', '.join(sorted(HEADS))}")
-    return HEADS[kind]
+    return head_spec(kind).model
+
+
+def spec_for_layout(config: dict, where: str) -> HeadSpec:
+    """The kind whose formats module recognizes an exported/published config.json."""
+    for kind in known_kinds():
+        spec = head_spec(kind)
+        if spec.formats.recognizes(config):
+            return spec
+    raise ValueError(f"{where}: config.json matches no known head layout ({', '.join(known_kinds())})")

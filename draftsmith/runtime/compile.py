@@ -32,3 +32,9 @@ def maybe_compile(fn, mode: str | None, device: torch.device, static_buffers: tu
             state["fn"] = fn
             return fn(*args)
     return call
+
+
+def step_compiler(mode: str | None, device: torch.device):
+    """What a drafter takes as `compile_step` (heads/drafting.py): its fixed-shape step compiled
+    the same way as the target runner's fixed-size forwards."""
+    return lambda fn, static_buffers=(): maybe_compile(fn, mode, device, static_buffers)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.runtime.tree import Tree
+from draftsmith.heads.tree import Tree
 from draftsmith.runtime.verify import SamplingConfig, sample_token, verify
 
 
@@ -69,16 +69,16 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
     start = time.perf_counter()
     target.reset()
     drafter.reset()
-    logits, aux, _ = target.prefill(prompt_T)
+    logits, features, _ = target.prefill(prompt_T)
     root = sample_token(logits[-1], sampling, gen)
-    drafter.extend(torch.cat([prompt_T[1:], root.view(1)]), aux)
+    drafter.extend(torch.cat([prompt_T[1:], root.view(1)]), features)
     tokens, done = _finish([], [int(root)], eos_ids, max_new_tokens)
     result = GenerationResult(tokens, 0.0)
     while not done:
         t0 = time.perf_counter()
         tree: Tree = drafter.draft_tree(root)
         t1 = time.perf_counter()
-        logits, aux, _ = target.forward(tree.tokens_N, tree.depth_N, tree.mask_NN)
+        logits, features, _ = target.forward(tree.tokens_N, tree.depth_N, tree.mask_NN)
         path, bonus = verify(tree, logits, sampling, gen)
         target.commit(path)
         accepted = tree.tokens_N[path[1:]]
@@ -87,7 +87,7 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
         result.accept_lengths.append(len(path) - 1)
         tokens, done = _finish(tokens, accepted.tolist() + [int(bonus)], eos_ids, max_new_tokens)
         if not done:
-            drafter.extend(torch.cat([accepted, bonus.view(1)]), aux[path])
+            drafter.extend(torch.cat([accepted, bonus.view(1)]), features[path])
             root = bonus
     _sync(target.device)
     result.seconds = time.perf_counter() - start

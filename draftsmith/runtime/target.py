@@ -11,12 +11,14 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from draftsmith.data.capture import FeatureExtractor
 from draftsmith.runtime.compile import maybe_compile
+from draftsmith.target.features import FeatureExtractor
 
 
 class TargetRunner:
-    """Static-cache driver. `length` (committed tokens) is host-side bookkeeping."""
+    """Static-cache driver. `length` (committed tokens) is host-side bookkeeping. The features it
+    returns are what the head reads: the hidden states entering `layer_ids` concatenated, or with
+    no layer ids the final normed hidden state."""
 
     def __init__(self, model, max_len: int, layer_ids: list[int], compile_mode: str | None = "auto"):
         self.model, self.max_len = model, max_len
@@ -68,11 +70,11 @@ class TargetRunner:
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state[0]
         aux = self.extractor.aux()
-        return self.lm_head(final).float(), None if aux is None else aux[0], final
+        return self.lm_head(final).float(), final if aux is None else aux[0], final
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
-        """Run tokens at positions length+depth; returns (logits_NV fp32, aux_NK, final_NH).
+        """Run tokens at positions length+depth; returns (logits_NV fp32, features_NK, final_NH).
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")

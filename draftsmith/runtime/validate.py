@@ -16,9 +16,11 @@ import torch
 
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
-from draftsmith.runtime.draft import Eagle3Drafter, TreeConfig
+from draftsmith.heads.drafting import TreeConfig
+from draftsmith.heads.registry import head_spec
+from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
-from draftsmith.runtime.loading import load_head
+from draftsmith.heads.loading import load_head
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
 
@@ -97,8 +99,8 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
     """Seconds of one draft expansion step over the seconds of one plain target decode step."""
     target.reset()
     drafter.reset()
-    _, aux, _ = target.prefill(prompt)
-    drafter.extend(prompt[1:], aux[:-1])
+    _, features, _ = target.prefill(prompt)
+    drafter.extend(prompt[1:], features[:-1])
     start = time.perf_counter()
     for _ in range(repeats):
         drafter.draft_tree(prompt[-1])
@@ -112,7 +114,7 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
 
 
 def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
-    from draftsmith.data.target import load_target, load_tokenizer, pick_device
+    from draftsmith.target.loading import load_target, load_tokenizer, pick_device
     if recipe is None:
         raise ValueError("validate needs --recipe (for the held-out prompts and decoding settings)")
     if target:
@@ -123,18 +125,21 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     model = load_target(recipe, device)
     tokenizer = load_tokenizer(recipe)
     head_path = Path(head) if head else recipe.run_dir / "head"
-    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight)
+    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight,
+                                 model.get_output_embeddings().weight)
     draft_head = draft_head.to(device=device, dtype=model.dtype)
     _check_target(meta, model, recipe)
     prompts = [p.to(device) for p in prompts_from_heldout(recipe, tokenizer, cfg.num_prompts)]
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
-    runner = TargetRunner(model, max_len, draft_head.config["draftsmith"]["layer_ids"])
-    drafter = Eagle3Drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes))
+    layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
+    runner = TargetRunner(model, max_len, layer_ids)
+    drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes),
+                                                 step_compiler("auto", device))
     result = _measure(recipe, model, runner, drafter, prompts, eos_ids(model, tokenizer))
     result.update(head=str(head_path), head_sha256=_head_sha(head_path), head_format=meta.get("source_format"),
                   target=recipe.target.model, device=str(device), dtype=str(model.dtype),
                   validate_hash=recipe.section_hash("validate"), tree=vars(drafter.tree_cfg),
-                  training=meta.get("final_metrics"), layer_ids=draft_head.config["draftsmith"]["layer_ids"])
+                  training=meta.get("final_metrics"), layer_ids=layer_ids, kind=draft_head.kind)
     result["passed"] = bool(result["exact_match"] and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
     out_dir = Path(out) if out else validate_dir(recipe)
     write_report(out_dir, result)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.runtime.tree import Tree
+from draftsmith.heads.tree import Tree
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Batches for the trainer: from the capture store (offline) or the target in-process (online).
 
-Both produce the same per-sample records (`capture.sample_record`), so the head sees identical
+Both produce the same per-sample records (`records.sample_record`), so the head sees identical
 inputs either way; `to_head_batch` turns records into what a head's loss reads."""
 from __future__ import annotations
 
 import torch
 
-from draftsmith.data.capture import FeatureExtractor, batch_records, to_sample
+from draftsmith.data.capture import batch_records
+from draftsmith.data.records import to_sample
+from draftsmith.target.features import FeatureExtractor
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:

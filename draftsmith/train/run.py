@@ -1,15 +1,14 @@
 """The train stage: wire data, features, vocabulary and head into the one Trainer."""
 from __future__ import annotations
 
-import os
-
 from draftsmith import artifacts
-from draftsmith.data.capture import FeatureCompleter, capture_dir, layer_ids_for
+from draftsmith.data.capture import capture_dir, layer_ids_for
 from draftsmith.data.prepare import load_train
-from draftsmith.data.target import load_target, load_target_embeddings, load_target_layers, target_fingerprint
 from draftsmith.data.vocab import load_or_build
-from draftsmith.heads.registry import get_head_class
+from draftsmith.heads.registry import head_spec
 from draftsmith.recipe import Recipe
+from draftsmith.target.features import FeatureCompleter
+from draftsmith.target.loading import load_target, load_target_embeddings, load_target_layers, target_fingerprint
 from draftsmith.train import batches as B
 from draftsmith.train.tracking import make_tracker
 from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_dir, train_inputs_hash
@@ -35,19 +34,42 @@ def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int],
     return B.OfflineSource(store), embed, lm_head, None
 
 
+def _init_from(head, path: str, target_config, d2t, t2d):
+    """Start from a published or exported head of the same kind (`head.init_from`): its trained
+    tensors replace the fresh ones (its draft vocabulary too, where the kind has one)."""
+    from draftsmith.heads.loading import load_head
+    start, meta = load_head(path, target_config)
+    if start.kind != head.kind:
+        raise ValueError(f"head.init_from={path!r} is a {start.kind} head; the recipe trains head.kind={head.kind}")
+    ours, theirs = head.trainable_state(), start.trainable_state()
+    wrong = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    if wrong:
+        raise ValueError(f"head.init_from={path!r}: tensors {wrong[:4]} are missing or of another shape than this "
+                         f"recipe's {head.kind} head for {getattr(target_config, 'name_or_path', 'the target')}")
+    head.load_state_dict(theirs, strict=False)
+    print(f"head initialized from {path} ({meta.get('source_format')})", flush=True)
+    state = head.state_dict()
+    return (state["d2t"], state["t2d"]) if "d2t" in state else (d2t, t2d)
+
+
 def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     from transformers import AutoConfig
     accelerator = accelerator or make_accelerator(recipe)
     dataset, data_manifest = load_train(recipe)
     target_config = AutoConfig.from_pretrained(recipe.target.model)
     text_config = target_config.get_text_config()
-    layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers)
+    spec = head_spec(recipe.head.kind)
+    layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)
     source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
+    head = spec.model.from_target(target_config, recipe.head, layer_ids)
+    draft_vocab = head.config.get("draft_vocab_size") or text_config.vocab_size  # none: the full vocabulary
     d2t, t2d, vocab_report = load_or_build(recipe.run_dir / "cache", data_manifest["inputs_hash"], dataset,
-                                           text_config.vocab_size, recipe.head.draft_vocab_size)
-    head = get_head_class(recipe.head.kind).from_target(target_config, recipe.head, layer_ids)
+                                           text_config.vocab_size, draft_vocab)
     head.set_vocab(d2t, t2d)
-    head.load_target_embedding(embed)
+    if recipe.head.init_from:
+        d2t, t2d = _init_from(head, recipe.head.init_from, target_config, d2t, t2d)
+        vocab_report = {**vocab_report, "from": recipe.head.init_from}
+    head.load_target_weights(embed, lm_head)
     train_idx, eval_idx = B.split_indices(len(source))
     train_dir(recipe).mkdir(parents=True, exist_ok=True)
     tracker = make_tracker(recipe, train_dir(recipe), accelerator.is_main_process)
@@ -64,8 +86,7 @@ def run_train(recipe: Recipe) -> dict:
     """Train (resuming from the last complete checkpoint), then write <run>/head/ and the manifest."""
     trainer = build_trainer(recipe)
     trainer.resume()
-    kill = os.environ.get("DRAFTSMITH_KILL_AT_STEP")
-    final = trainer.run(kill_at_step=int(kill) if kill else None)
+    final = trainer.run()
     tensors = trainer.head_tensors()
     manifest = {}
     if trainer.accelerator.is_main_process:

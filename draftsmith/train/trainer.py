@@ -102,6 +102,8 @@ class Trainer:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         if self.completer is not None:
             batch = self.completer(batch)
+        elif "teacher" not in batch:  # a final-hidden store: the feature at p is the teacher for token p+1
+            batch["teacher"] = batch["aux"]
         return B.teacher_targets(batch, self.lm_head, self.d2t, self.t2d)
 
     # ------------------------------------------------------------ loop
@@ -126,7 +128,7 @@ class Trainer:
             metrics["grad_norm"] = grad_norm
         return metrics
 
-    def run(self, kill_at_step: int | None = None) -> dict:
+    def run(self) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", mininterval=2.0,
                    disable=not self.accelerator.is_main_process)
@@ -145,8 +147,6 @@ class Trainer:
                 self.evaluate()
             if self.step % self.cfg.save_every == 0 and self.step < self.total_steps:
                 self.save()
-            if kill_at_step is not None and self.step == kill_at_step:
-                os._exit(9)  # tests: die like kill -9 right after this step
         bar.close()
         final_eval = self.evaluate() if self.eval_source is not None else {}
         return {**last, **final_eval}

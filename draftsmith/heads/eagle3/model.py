@@ -18,7 +18,6 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from draftsmith.heads.eagle3.loss import ttt_loss
-from draftsmith.heads.registry import register
 
 
 def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],
@@ -95,9 +94,17 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@register("eagle3")
+DEFAULT_TTT_STEPS = 7  # EAGLE and SpecForge unroll 7 steps
+
+
+def default_layer_ids(num_target_layers: int) -> list[int]:
+    """Low, mid and high features (input-to-layer ids), as every EAGLE-3 stack defaults."""
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
 class Eagle3Head(nn.Module):
     """The EAGLE-3 head. `config` is the HF-style dict from `draft_config_from_target`."""
+    kind = "eagle3"
 
     def __init__(self, config: dict, ttt_steps: int = 7, loss_decay: float = 0.8):
         super().__init__()
@@ -117,11 +124,12 @@ class Eagle3Head(nn.Module):
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle3Head":
         config = draft_config_from_target(target_config, head_cfg.draft_vocab_size, layer_ids, head_cfg.intermediate_size)
-        return cls(config, head_cfg.ttt_steps, head_cfg.loss_decay)
+        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, head_cfg.loss_decay)
 
-    @staticmethod
-    def capture_layers(num_target_layers: int) -> list[int]:
-        return [2, num_target_layers // 2, num_target_layers - 3]
+    @classmethod
+    def from_config(cls, config: dict) -> "Eagle3Head":
+        """From a checkpoint's or an imported layout's draft config (inference defaults)."""
+        return cls(config)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
@@ -130,6 +138,10 @@ class Eagle3Head(nn.Module):
     def load_target_embedding(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+        """The frozen target weights this head reads: the embedding (its lm_head is its own)."""
+        self.load_target_embedding(embed)
 
     def rope(self, x, position_ids_BT):
         return self.rotary(x, position_ids_BT)

@@ -1,18 +1,29 @@
-"""Drafting with an EAGLE-3 head: a preallocated KV cache that keeps committed context only, and an
-EAGLE-2 dynamic tree whose node KV lives in scratch space past the committed length, dropped
-(overwritten) after each round.
+"""The one interface between a head and the runtime: a `Drafter` keeps the head's own committed
+context and proposes a `Tree` (heads/tree.py) from the root token; the runtime verifies it with the
+target and tells the drafter what was committed. Drafting is the head's job, so this lives in
+`heads/`; `runtime/` imports it and never a kind's module.
 
-Draft position t pairs target feature f_t with token x_{t+1}. A tree node at depth d is fed at
-draft position (committed - 1 + d) with its parent's un-normed output as hidden state."""
+Features: what the target runner returns for committed positions, in the form the kind's spec
+asked for (`FeatureNeeds`): the concatenated aux layers, or the final normed hidden state.
+Position t pairs feature f_t with token x_{t+1}.
+
+CUDA graphs: a drafter routes its fixed-shape step through `compile_step(fn, static_buffers)`,
+supplied by the runtime (`runtime/compile.py`); the default runs it eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.runtime.compile import maybe_compile
-from draftsmith.runtime.tree import Tree, assemble_tree, chain_tree
+from draftsmith.heads.tree import Tree, assemble_tree, chain_tree
+
+StepCompiler = Callable[..., Callable]  # (fn, static_buffers=()) -> fn with the same signature
+
+
+def eager(fn, static_buffers: tuple = ()):
+    return fn
 
 
 @dataclass
@@ -22,29 +33,52 @@ class TreeConfig:
     num_nodes: int = 32
 
 
-def _attend(q, k, v, allowed_NL: torch.Tensor):
+class Drafter(Protocol):
+    tree_cfg: TreeConfig
+
+    def reset(self) -> None:
+        """Forget every committed position (a new prompt follows)."""
+
+    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor) -> None:
+        """Commit T positions: the target's features there and the tokens one ahead of them."""
+
+    def draft_tree(self, root: torch.Tensor) -> Tree:
+        """A tree of `tree_cfg.num_nodes` nodes at most, rooted at `root` (the target's last token)."""
+
+
+def attend_with_mask(q, k, v, allowed_NL: torch.Tensor):
     """SDPA over explicit keys with a boolean [N, L] visibility mask (GQA expanded by SDPA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_NL[None, None],
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_NL[None, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
-class Eagle3Drafter:
-    def __init__(self, head, max_len: int, tree: TreeConfig, compile_mode: str | None = "auto"):
+class TreeDrafter:
+    """The `Drafter` of heads that run one attention layer per step over a draft KV cache of their
+    own (EAGLE-3, EAGLE-2, MTP): a preallocated cache that keeps committed context only, and an
+    EAGLE-2 dynamic tree whose node KV lives in scratch space past the committed length, dropped
+    (overwritten) after each round.
+
+    Draft position t pairs target feature f_t with token x_{t+1}. A tree node at depth d is fed at
+    draft position (committed - 1 + d) with its parent's output as hidden state. A head supplies
+    `step(tokens, h, positions, attend)`, `logits(h)`, `to_target_ids(ids)`; a kind's subclass says
+    how the target's features become the first step's hidden state (`first_hidden`)."""
+
+    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step: StepCompiler = eager):
         self.head, self.tree_cfg, self.max_len = head, tree, max_len
         cfg = head.config
         p = next(head.parameters())
-        shape = (1, cfg["num_key_value_heads"], max_len, cfg["head_dim"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        shape = (1, cfg["num_key_value_heads"], max_len, head_dim)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros_like(self.k)
         self.device, self.length = p.device, 0
         self.h_last = self.logits_last = None
-        self.step_fn = maybe_compile(self._step_static, compile_mode, self.device, (self.k, self.v))
+        self.step_fn = compile_step(self._step_static, (self.k, self.v))
 
     def reset(self) -> None:
         self.length = 0
 
     @torch.no_grad()
-    def extend(self, tokens_T: torch.Tensor, aux_TK: torch.Tensor) -> None:
+    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor) -> None:
         """Commit positions [length, length+T): features from the target, tokens one ahead."""
         T, start = len(tokens_T), self.length
         positions = torch.arange(start, start + T, device=self.device)
@@ -54,12 +88,16 @@ class Eagle3Drafter:
             self.v[:, :, start:start + T] = v
             allowed = torch.ones(T, start + T, dtype=torch.bool, device=self.device)
             allowed[:, start:] = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            return _attend(q, self.k[:, :, :start + T], self.v[:, :, :start + T], allowed)
+            return attend_with_mask(q, self.k[:, :, :start + T], self.v[:, :, :start + T], allowed)
 
-        h = self.head.fc(aux_TK.to(self.k.dtype))[None]
+        h = self.first_hidden(features_TK.to(self.k.dtype))[None]
         out = self.head.step(tokens_T[None], h, positions[None], attend)[0]
         self.length += T
         self.h_last, self.logits_last = out[-1], self.head.logits(out[-1:])[0].float()
+
+    def first_hidden(self, features_TK: torch.Tensor) -> torch.Tensor:
+        """The hidden state a committed position's first step reads (kinds override)."""
+        return features_TK
 
     def _step_static(self, tokens_F, h_FH, positions_F, write_at_F, allowed_FL):
         """Fixed shapes (frontier F, whole cache L): writes K/V at `write_at_F`, attends under
@@ -67,7 +105,7 @@ class Eagle3Drafter:
         def attend(q, k, v):
             self.k.index_copy_(2, write_at_F, k)
             self.v.index_copy_(2, write_at_F, v)
-            return _attend(q, self.k, self.v, allowed_FL)
+            return attend_with_mask(q, self.k, self.v, allowed_FL)
 
         out = self.head.step(tokens_F[None], h_FH[None], positions_F[None], attend)[0]
         return out, torch.log_softmax(self.head.logits(out).float(), -1)

@@ -1,0 +1,106 @@
+"""EAGLE-2 draft head: the EAGLE-1 network (SafeAILab/EAGLE `cnets1.Model`), drafted in dynamic trees.
+
+    x      = fc(cat(embed(x_{t+1}), f_t))          (2H -> H; bias from the recipe)
+    h      = decoder_layer(x)                      (the target family's own layer, no input_layernorm)
+    logits = lm_head(h)                            (the target's frozen lm_head, full vocabulary)
+
+f_t is the target's final hidden state after its final norm (HF `hidden_states[-1]`), which is why
+the first layer has no input norm; h predicts f_{t+1} and is the next step's feature. No final norm,
+no own lm_head. Tensor names as published: fc.weight (+ fc.bias), layers.0.{self_attn,mlp,
+post_attention_layernorm}.*; the target's embedding and lm_head are held frozen and never saved."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftsmith.heads import family
+from draftsmith.heads.eagle2.loss import eagle2_loss
+
+DEFAULT_TTT_STEPS = 1  # the published EAGLE-1 objective; BENCHMARKS.md measures k > 1
+LLAMA2_VOCAB = 32000  # Llama-2/Vicuna: the published EAGLE heads for these targets have fc.bias
+
+
+def default_fc_bias(text_config) -> bool:
+    """As the target family's published heads: EAGLE's default (bias) for Llama-2-era targets,
+    none for the others (the Llama-3 heads set `bias: false`; vLLM's loader has no fc bias)."""
+    return text_config.model_type == "llama" and text_config.vocab_size == LLAMA2_VOCAB
+
+
+def draft_config_from_target(target_config, fc_bias: bool | None = None, intermediate_size: int | None = None) -> dict:
+    """The head's HF-style config: the target's own text config with one layer (so the engines and
+    `family.layer_config` rebuild exactly the target's block), plus `bias` for fc."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    config = {k: v for k, v in text.to_dict().items() if not k.startswith("_") and k not in ("auto_map", "transformers_version")}
+    config.update(num_hidden_layers=1, tie_word_embeddings=False,
+                  bias=default_fc_bias(text) if fc_bias is None else fc_bias,
+                  draftsmith={"kind": "eagle2", "layer_ids": [], "feature": "final"})
+    if intermediate_size:
+        config["intermediate_size"] = intermediate_size
+    config.pop("layer_types", None)  # per-layer lists of the full target: one layer here
+    return config
+
+
+class Eagle2Head(nn.Module):
+    kind = "eagle2"
+
+    def __init__(self, config: dict, ttt_steps: int = 1, loss_decay: float = 0.8, feature_weight: float = 1.0,
+                 token_weight: float = 0.1, input_noise: float = 0.0):
+        super().__init__()
+        self.config, self.ttt_steps, self.loss_decay = config, ttt_steps, loss_decay
+        self.feature_weight, self.token_weight, self.input_noise = feature_weight, token_weight, input_noise
+        layer_config = family.layer_config(config)
+        H, V = layer_config.hidden_size, layer_config.vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.fc = nn.Linear(2 * H, H, bias=bool(config.get("bias", False)))
+        layer = family.decoder_layer(layer_config, 0)
+        layer.input_layernorm = nn.Identity()  # the feature arrives normed (target's final norm)
+        self.layers = nn.ModuleList([layer])
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.rotary = family.rotary_embedding(layer_config)
+        for frozen in (self.embed_tokens, self.lm_head):
+            frozen.weight.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle2Head":
+        config = draft_config_from_target(target_config, head_cfg.fc_bias, head_cfg.intermediate_size)
+        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, head_cfg.loss_decay, head_cfg.feature_weight, head_cfg.token_weight,
+                   head_cfg.input_noise)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Eagle2Head":
+        return cls(config)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """EAGLE-2 drafts over the full vocabulary: the trainer's map must be the identity."""
+        assert len(d2t) == len(t2d) and not d2t.any(), "EAGLE-2 heads use the full target vocabulary"
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+            if lm_head is not None:
+                self.lm_head.weight.copy_(lm_head.to(self.lm_head.weight.dtype))
+
+    def step(self, token_ids_BT, h_BTH, position_ids_BT, attend):
+        """One draft step: the predicted next feature (also the next step's input)."""
+        emb = self.embed_tokens(token_ids_BT).to(h_BTH.dtype)
+        x = self.fc(torch.cat([emb, h_BTH], dim=-1))
+        cos, sin = self.rotary(x, position_ids_BT)
+        return self.layers[0](x, position_embeddings=(cos, sin), attend=attend)
+
+    def logits(self, h_BTH):
+        return self.lm_head(h_BTH)
+
+    def to_target_ids(self, ids):
+        return ids
+
+    def loss(self, batch: dict):
+        """Feature regression + 0.1 x soft CE, unrolled over `ttt_steps`; see loss.py."""
+        return eagle2_loss(self, batch)
+
+    forward = loss  # DDP/FSDP/DeepSpeed hook into forward, so the loss is the forward
+
+    def draft_config(self) -> dict:
+        return dict(self.config)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "lm_head", "rotary"))}

@@ -1,0 +1,124 @@
+"""Features of the frozen target: forward hooks that read hidden states, the layer-id conventions,
+and what a head kind needs from the target (`FeatureNeeds`).
+
+Layer ids use the *input-to-layer* convention: id k is the hidden state entering decoder layer k,
+i.e. Hugging Face `hidden_states[k]` (0 = embeddings). This is vLLM's and EAGLE's convention;
+SGLang's config ids are ours minus one (its loader adds one), SpecForge's `output of layer` ids too.
+Heads fed the final hidden state (EAGLE-1/2, Medusa, MTP) read HF `hidden_states[-1]`: the last
+decoder layer's output after the final norm."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+CONVENTION = {
+    "ours": "input-to-layer (HF hidden_states index)",
+    "vllm": "same ids (aux_hidden_state_layers are input-to-layer)",
+    "sglang": "config ids = ours - 1 (set_eagle3_layers_to_capture adds 1)",
+    "specforge": "output-of-layer ids = ours - 1",
+}
+
+
+@dataclass(frozen=True)
+class FeatureNeeds:
+    """What a head kind reads from the target: `"layers"` (the hidden states entering the layers
+    `default_layer_ids(num_layers)` or the recipe's `capture.layer_ids`) or `"final"` (the final
+    normed hidden state; no layer ids)."""
+    feature: str
+    default_layer_ids: Callable[[int], list[int]] = lambda num_layers: []
+
+    def __post_init__(self):
+        assert self.feature in ("layers", "final"), self.feature
+
+
+FINAL = FeatureNeeds("final")
+
+
+class Skip(torch.nn.Module):
+    """Stands in for a decoder layer whose output nobody reads: passes the hidden state through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class FeatureExtractor:
+    """Runs the frozen target's decoder once and returns (aux_BTK, final_BTH) through forward hooks.
+
+    The same object serves offline capture and online training, so both see identical tensors.
+    `stop_after_features` skips the decoder layers above the highest id (final is then None)."""
+
+    def __init__(self, model, layer_ids: list[int], stop_after_features: bool = False):
+        self.model, self.layer_ids = model, layer_ids
+        self.decoder = model.get_decoder()
+        self._captured: dict[int, torch.Tensor] = {}
+        self.handles = []
+        for k in layer_ids:
+            module = self.decoder.get_input_embeddings() if k == 0 else self.decoder.layers[k - 1]
+            self.handles.append(module.register_forward_hook(self._hook(k)))
+        self.skipped = range(max(layer_ids), len(self.decoder.layers)) if stop_after_features and layer_ids else range(0)
+
+    def remove(self) -> None:
+        """Detach from the model (another extractor may use it next)."""
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, k: int):
+        def store(_module, _inputs, output):
+            self._captured[k] = output[0] if isinstance(output, tuple) else output
+        return store
+
+    @torch.no_grad()
+    def __call__(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
+        self._captured.clear()
+        layers = self.decoder.layers
+        kept = {i: layers[i] for i in self.skipped}
+        try:
+            for i in self.skipped:
+                layers[i] = Skip()
+            out = self.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        finally:
+            for i, layer in kept.items():
+                layers[i] = layer
+        return self.aux(), None if self.skipped else out.last_hidden_state
+
+    def aux(self) -> torch.Tensor | None:
+        """The hooked layers' outputs of the last forward, concatenated low to high."""
+        return torch.cat([self._captured[k] for k in self.layer_ids], dim=-1) if self.layer_ids else None
+
+
+class FeatureCompleter:
+    """Rebuilds what a compact store leaves out, on the training device, in one decoder pass over a
+    partial target (`target.load_target_layers`, layers ids[0]..ids[-1]-1 never loaded): the low
+    feature comes out of the first ids[0] layers, the stored high feature is fed into layer ids[-1],
+    and the final norm after the last layer gives the teacher."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.low = FeatureExtractor(model, layer_ids[:1])
+        self.hidden = model.config.get_text_config().hidden_size
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self._high: torch.Tensor | None = None
+        self._fed = False
+        model.get_decoder().layers[layer_ids[-1]].register_forward_pre_hook(self._feed, with_kwargs=True)
+
+    def _feed(self, _module, args, kwargs):
+        """Replace the hidden state entering layer ids[-1] with the stored high feature."""
+        self._fed = True
+        if args:
+            return (self._high,) + tuple(args[1:]), kwargs
+        return args, kwargs | {"hidden_states": self._high}
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> dict:
+        """`batch["aux"]` holds the stored features (low feature left out); returns the batch with the
+        full aux (low to high) and the teacher hidden state at every position."""
+        stored = batch["aux"]
+        self._high, self._fed = stored[..., -self.hidden:].to(self.dtype).contiguous(), False
+        low, teacher = self.low(batch["input_ids"])
+        if not self._fed:
+            raise RuntimeError("the target's decoder never ran its layers as expected; set capture.recompute: false")
+        self._high = None
+        batch["aux"] = torch.cat([low.to(stored.dtype), stored], dim=-1)
+        batch["teacher"] = teacher.float()
+        return batch

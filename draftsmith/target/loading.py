@@ -1,0 +1,136 @@
+"""The frozen target: load any Hugging Face causal LM and its tokenizer, identify it by content
+(fingerprint), and load it partially (embedding/lm_head alone, or only the first and last decoder
+layers) by reading just the needed tensors from its safetensors files."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from draftsmith.recipe import Recipe
+from draftsmith.target.features import Skip
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA (speed) and fp32 on CPU (exactness)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def target_fingerprint(model: str) -> str:
+    """Cheap identity of a model directory: its config plus, per weight file, the size and a hash of
+    sampled 64 KiB blocks (so a retrained target differs, without reading 100 GB of weights)."""
+    path = Path(model)
+    if not path.is_dir():
+        return hashlib.sha256(model.encode()).hexdigest()[:16]
+    digest = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").exists() else b"")
+    for weight in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = weight.stat().st_size
+        digest.update(f"{weight.name}:{size}".encode())
+        with open(weight, "rb") as handle:
+            for k in range(16):
+                handle.seek(size * k // 16)
+                digest.update(handle.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
+def check_model_path(model: str, key: str = "target.model") -> None:
+    looks_local = model.startswith((".", "/", "runs")) or Path(model).exists()
+    if looks_local and not (Path(model) / "config.json").exists():
+        raise ValueError(f"{key}={model!r}: no model directory with a config.json there "
+                         f"(for the embedded default run `draftsmith target --recipe ...` first)")
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+    check_model_path(recipe.target.model)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    if recipe.target.chat_template:
+        tokenizer.chat_template = recipe.target.chat_template
+    tokenizer.draftsmith_template_kwargs = dict(recipe.data.chat_template_kwargs)
+    return tokenizer
+
+
+def load_target(recipe: Recipe, device: torch.device | None = None):
+    """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention."""
+    from transformers import AutoModelForCausalLM
+    check_model_path(recipe.target.model)
+    device = device or pick_device()
+    model = AutoModelForCausalLM.from_pretrained(
+        recipe.target.model, dtype=resolve_dtype(recipe.target.dtype, device), attn_implementation="sdpa")
+    model.requires_grad_(False)
+    return model.eval().to(device)
+
+
+def _empty_target(model_dir: str):
+    """(config, the architecture with parameters on the meta device and buffers such as rotary
+    tables real): parameter names and module layout without reading any weight."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    check_model_path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return config, model
+
+
+def _weight_name(model, module) -> str:
+    return next(f"{name}.weight" for name, m in model.named_modules() if m is module)
+
+
+def _read_weights(model_dir: str, names: set[str], why: str, optional: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The named tensors from the model's safetensors files, nothing else; a missing one is an error
+    (except `optional` ones, e.g. a tied lm_head)."""
+    from safetensors import safe_open
+    found = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in names.intersection(handle.keys()):
+                found[name] = handle.get_tensor(name)
+    missing = sorted(names - set(found) - set(optional))
+    if missing:
+        raise ValueError(f"{model_dir}: weight files lack {missing[:4]}{' ...' if len(missing) > 4 else ''} ({why})")
+    return found
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding, lm_head) weights alone, read from the weight files without loading the model.
+    Names come from the architecture itself, so this works for any causal LM with safetensors
+    weights; a tied head returns the embedding twice."""
+    config, model = _empty_target(model_dir)
+    embed, head = _weight_name(model, model.get_input_embeddings()), _weight_name(model, model.get_output_embeddings())
+    found = _read_weights(model_dir, {embed, head}, "needed for the head's embedding and teacher",
+                          optional={head} if _tied(config) else set())
+    return found[embed], found.get(head, found[embed])
+
+
+def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
+    """The target with decoder layers `skip` never loaded (pass-through stand-ins), frozen: what the
+    trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
+    are read from the safetensors files, so a 70B target costs a few layers of memory."""
+    config, model = _empty_target(recipe.target.model)
+    layers = model.get_decoder().layers
+    for i in skip:
+        layers[i] = Skip()
+    head = _weight_name(model, model.get_output_embeddings())
+    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
+    state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "
+                          "capture with capture.recompute: false instead")
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if _tied(config):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.requires_grad_(False)
+    return model.eval().to(device)

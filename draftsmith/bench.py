@@ -59,7 +59,7 @@ def bench_capture(recipe_path: str, overrides: list[str], num_samples: int = 256
     model = load_target(recipe)
     cfg = model.config.get_text_config()
     indices = list(range(min(num_samples, len(dataset))))
-    batches = list(capture._batches(dataset, indices, recipe.capture.batch_tokens))
+    batches = capture.plan_batches([len(dataset[i]["input_ids"]) for i in indices], recipe.capture.batch_tokens)
     padded = [capture.pad_batch(dataset[b]["input_ids"]) for b in batches]
     num_tokens = sum(int(m.sum()) for _, m in padded)
     with torch.no_grad():

@@ -134,6 +134,7 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
+    corrupt_samples: str = "fail"   # a sample failing its checksum: stop naming it, or skip (mask) and count it
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -197,6 +198,7 @@ CHOICES = {
     "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
     "capture.compression": {"none", "zstd"},
     "train.tracking.backend": {"wandb", "none"},
+    "train.corrupt_samples": {"fail", "skip"},
     "export.dtype": {"bf16", "fp16", "fp32"},
 }
 

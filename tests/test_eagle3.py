@@ -152,6 +152,9 @@ def test_import_rules():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module)
+                if node.module == "draftsmith":  # `from draftsmith import artifacts`
+                    names.update(f"draftsmith.{a.name}" for a in node.names)
+                    names.discard("draftsmith")
             elif isinstance(node, ast.Import):
                 names.update(a.name for a in node.names)
         return {n for n in names if n.startswith("draftsmith")}

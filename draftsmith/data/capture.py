@@ -196,19 +196,18 @@ def feature_ratio(extractor, dataset, spec: CaptureSpec, num_samples: int = 32) 
     return packed / max(raw, 1)
 
 
-def _batches(dataset, indices: list[int], batch_tokens: int):
-    """Length-sorted batches under a padded-token budget, so padding stays small."""
-    order = sorted(indices, key=lambda i: len(dataset[i]["input_ids"]))
-    batch, longest = [], 0
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches of sample indices under a padded-token budget (padding stays small).
+    A pure function of the lengths and the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    plan, batch, longest = [], [], 0
     for i in order:
-        n = len(dataset[i]["input_ids"])
-        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
-            yield batch
+        if batch and max(longest, lengths[i]) * (len(batch) + 1) > batch_tokens:
+            plan.append(batch)
             batch, longest = [], 0
         batch.append(i)
-        longest = max(longest, n)
-    if batch:
-        yield batch
+        longest = max(longest, lengths[i])
+    return plan + [batch] if batch else plan
 
 
 def pad_batch(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,17 +242,22 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     state.wait_for_everyone()
     entries = read_progress(store)
     done = {i for e in entries for i in e["samples"]}
-    mine = [i for i in range(len(dataset)) if i % state.num_processes == state.process_index and i not in done]
+    # the batches are planned once from the data and the recipe (never from what is done, nor from the
+    # number of processes), so a resumed capture computes every sample in the very same padded batch
+    # and writes exactly the bytes of an uninterrupted one
+    plan = plan_batches([len(ids) for ids in dataset["input_ids"]], recipe.capture.batch_tokens)
+    mine = [b for j, b in enumerate(plan) if j % state.num_processes == state.process_index and not done.issuperset(b)]
     writer = ShardWriter(store, state.process_index, int(recipe.capture.shard_size_mb * 2**20),
                          first_index=1 + max((int(e["file"][11:16]) for e in entries
                                              if e["file"].startswith(f"shard-r{state.process_index:03d}")), default=-1),
                          compression=spec.compression)
-    total = sum(len(dataset[i]["input_ids"]) for i in mine)
+    total = sum(len(dataset[i]["input_ids"]) for batch in mine for i in batch)
     bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=not state.is_main_process)
-    for batch in _batches(dataset, mine, recipe.capture.batch_tokens):
+    for batch in mine:
         records, num_tokens = batch_records(extractor, dataset[batch], spec.dtype)
         for index, record in zip(batch, records):
-            writer.add(index, record)
+            if index not in done:  # a batch cut by a kill: its finished samples are already in a shard
+                writer.add(index, record)
         bar.update(num_tokens)
     writer.flush()
     bar.close()

@@ -67,8 +67,16 @@ def read_records(path: str, bad_lines: str, skips: SkipCounter):
     if file.suffix == ".jsonl":
         if not file.exists():
             raise DataError(f"data file {path!r} does not exist")
-        with open(file, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
+        with open(file, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    if bad_lines == "fail":
+                        raise DataError(f"{path}:{number}: invalid UTF-8 ({_bad_bytes(exc)}); fix the line or set "
+                                        "data.bad_lines: skip") from None
+                    skips.skip("invalid_utf8", f"{path}:{number}")
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -80,8 +88,13 @@ def read_records(path: str, bad_lines: str, skips: SkipCounter):
     elif file.suffix == ".json":
         if not file.exists():
             raise DataError(f"data file {path!r} does not exist")
+        raw = file.read_bytes()
         try:
-            items = json.loads(file.read_text(encoding="utf-8"))
+            items = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise DataError(f"{path}:{line}: invalid UTF-8 ({_bad_bytes(exc)}); a .json file is one document and "
+                            "cannot be skipped line by line: fix it or convert it to .jsonl") from None
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}: malformed JSON at line {exc.lineno} ({exc.msg})") from None
         if not isinstance(items, list):
@@ -90,6 +103,10 @@ def read_records(path: str, bad_lines: str, skips: SkipCounter):
             yield f"{path}[{index}]", item
     else:
         yield from _read_hf(path)
+
+
+def _bad_bytes(exc: UnicodeDecodeError) -> str:
+    return f"byte {exc.object[exc.start:exc.start + 1].hex()} at offset {exc.start} of the line: {exc.reason}"
 
 
 def _read_hf(path: str):

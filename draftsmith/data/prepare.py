@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.data import conversations as conv
-from draftsmith.target import stdlib
 from draftsmith.recipe import Recipe
+from draftsmith.target import stdlib
 
 
 def data_dir(recipe: Recipe) -> Path:
@@ -48,7 +48,7 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
                 skips.skip("bad_record", where)
                 continue
             (heldout if _split_heldout(item["id"], cfg.heldout_fraction) else train).append(item)
-    num_read += skips.reasons["malformed_json"]  # lines that never became a record
+    num_read += skips.reasons["malformed_json"] + skips.reasons["invalid_utf8"]  # lines that never became a record
     if cfg.max_conversations is not None and len(train) > cfg.max_conversations:
         rng = random.Random(recipe.seed)
         rng.shuffle(train)
@@ -92,6 +92,7 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
     conv.check_tokenizer(tokenizer, f"target.model={recipe.target.model!r}")
     skips = conv.SkipCounter()
     train, heldout, num_read = collect(recipe, skips)
+    _refuse_empty(recipe, "conversations", len(train) + len(heldout), num_read, skips)
     out = data_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
     regen_counts = None
@@ -100,6 +101,7 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
         # keyed by the target's fingerprint: answers of another (or retrained) target are never reused
         train, regen_counts = regenerate(recipe, tokenizer, train, out / f"regen-{target_fingerprint(recipe.target.model)}.jsonl")
     columns = encode_all(recipe, tokenizer, train, skips)
+    _refuse_empty(recipe, "training conversations with assistant (loss) tokens", len(columns["id"]), num_read, skips)
     with artifacts.atomic_path(out / "train") as tmp:
         datasets.Dataset.from_dict(columns).save_to_disk(str(tmp))
         _remove(out / "train")
@@ -115,6 +117,20 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
         num_skipped=dict(skips.reasons), skip_examples=skips.examples, regeneration=regen_counts,
         max_length=recipe.data.max_length, overflow=recipe.data.overflow)
     return manifest
+
+
+def _sources(recipe: Recipe) -> str:
+    named = [f"data.sources[{i}].path={s.path!r}" for i, s in enumerate(recipe.data.sources)]
+    return ", ".join(named + ([f"data.builtin={recipe.data.builtin!r}"] if recipe.data.builtin else [])) or "no data.sources"
+
+
+def _refuse_empty(recipe: Recipe, what: str, count: int, num_read: int, skips: conv.SkipCounter) -> None:
+    """Zero rows is an error here, not stages later; nothing is written (the manifest comes last)."""
+    if count == 0:
+        skipped = {k: v for k, v in skips.reasons.items() if v}
+        raise conv.DataError(f"{recipe.source_path}: the data stage found no {what} in {_sources(recipe)} "
+                             f"({num_read} records read, skipped: {skipped or 'none'}); check the files, "
+                             "data.max_length and data.max_conversations")
 
 
 def _remove(path: Path) -> None:

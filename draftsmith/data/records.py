@@ -4,8 +4,12 @@ A record is one sample: input_ids (int32), loss_mask (uint8), teacher_pos (int32
 next token is loss-masked), and optionally `aux` (features up to the last position training reads)
 and `teacher` (final hidden at teacher positions), each cast to the store dtype; fp8 rows carry one
 fp32 scale (`aux_scale`, `teacher_scale`). A shard concatenates records per key with `<key>.offsets`
-and `sample_index`; feature tensors may be compressed (`encoded` shard metadata: key -> [dtype, width])."""
+and `sample_index`; feature tensors may be compressed (`encoded` shard metadata: key -> [dtype, width]).
+`crc32` holds one checksum per sample over its stored bytes (keys in sorted order), checked on
+every read, so a corrupt sample is caught by the trainer, not only by `capture --verify`."""
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -89,9 +93,22 @@ def encode_record(record: dict, compression: str, layout: dict) -> dict:
     return out
 
 
+def stored_bytes(tensor: torch.Tensor):
+    return tensor.contiguous().view(torch.uint8).numpy()
+
+
+def checksum(record: dict) -> int:
+    """crc32 of a stored (encoded) record's bytes, keys in sorted order."""
+    crc = 0
+    for key in sorted(k for k, v in record.items() if v is not None):
+        crc = zlib.crc32(stored_bytes(record[key]), crc)
+    return crc
+
+
 def concat_shard(records: list[dict], indices: list[int]) -> dict[str, torch.Tensor]:
-    """Many samples in one safetensors file: concatenated tensors plus per-key offsets."""
-    tensors = {"sample_index": torch.tensor(indices, dtype=torch.int64)}
+    """Many samples in one safetensors file: concatenated tensors plus per-key offsets and checksums."""
+    tensors = {"sample_index": torch.tensor(indices, dtype=torch.int64),
+               "crc32": torch.tensor([checksum(r) for r in records], dtype=torch.int64)}
     for key in records[0]:
         parts = [r[key] for r in records if r[key] is not None]
         if not parts:

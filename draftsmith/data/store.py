@@ -8,7 +8,11 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import artifacts
-from draftsmith.data.records import decode, to_sample
+from draftsmith.data.records import checksum, decode, to_sample
+
+
+class CorruptSample(artifacts.ArtifactError):
+    """A stored sample whose bytes do not match its checksum, or cannot be decoded."""
 
 
 class CaptureStore(torch.utils.data.Dataset):
@@ -32,9 +36,17 @@ class CaptureStore(torch.utils.data.Dataset):
         self.index: list[tuple[str, int]] = []
         located = {}
         for shard in self.manifest["shards"]:
-            with safe_open(str(self.store / shard["file"]), framework="pt") as handle:
-                for local, sample in enumerate(handle.get_tensor("sample_index").tolist()):
-                    located[sample] = (shard["file"], local)
+            try:
+                with safe_open(str(self.store / shard["file"]), framework="pt") as handle:
+                    for local, sample in enumerate(handle.get_tensor("sample_index").tolist()):
+                        located[sample] = (shard["file"], local)
+            except Exception as exc:  # noqa: BLE001  (a torn or corrupt file: name it, whatever the library raised)
+                raise CorruptSample(f"{self.store / shard['file']}: unreadable shard ({type(exc).__name__}: {exc}); "
+                                    "`draftsmith capture --verify` checks the whole store") from None
+        missing = [i for i in range(self.manifest["num_samples"]) if i not in located]
+        if missing:
+            raise CorruptSample(f"{self.store}: samples {missing[:5]} are in no shard's sample_index "
+                                "(`draftsmith capture --verify` names the corrupt shards)")
         self.index = [located[i] for i in range(self.manifest["num_samples"])]
 
     def __len__(self) -> int:
@@ -47,15 +59,22 @@ class CaptureStore(torch.utils.data.Dataset):
             self.handles[name] = handle, {k: (getattr(torch, dtype), width) for k, (dtype, width) in encoded.items()}
         return self.handles[name]
 
-    def _slice(self, opened, key: str, local: int) -> torch.Tensor | None:
-        handle, encoded = opened
-        if f"{key}.offsets" not in handle.keys():
-            return None
+    def _raw(self, handle, key: str, local: int) -> torch.Tensor:
         offsets = handle.get_slice(f"{key}.offsets")[local:local + 2].tolist()
-        data = handle.get_slice(key)[offsets[0]:offsets[1]]
-        return decode(data, *encoded[key]) if key in encoded else data
+        return handle.get_slice(key)[offsets[0]:offsets[1]]
 
     def __getitem__(self, i: int) -> dict:
+        """Sample i, its stored bytes checked against the shard's crc32 first."""
         name, local = self.index[i]
-        handle = self._handle(name)
-        return to_sample(lambda key: self._slice(handle, key, local))
+        handle, encoded = self._handle(name)
+        keys = [k.removesuffix(".offsets") for k in handle.keys() if k.endswith(".offsets")]
+        try:
+            raw = {key: self._raw(handle, key, local) for key in keys}
+            if "crc32" in handle.keys() and checksum(raw) != handle.get_slice("crc32")[local:local + 1].tolist()[0]:
+                raise ValueError("crc32 mismatch")
+            decoded = {key: decode(t, *encoded[key]) if key in encoded else t for key, t in raw.items()}
+        except Exception as exc:  # noqa: BLE001  (flipped bytes surface as any decoding error)
+            raise CorruptSample(f"{self.store / name}: sample {i} (entry {local} of the shard) is corrupt "
+                                f"({type(exc).__name__}: {exc}); set train.corrupt_samples: skip to train on the rest, "
+                                "or recapture") from None
+        return to_sample(decoded.get)

@@ -31,7 +31,11 @@ def load_head(path: str | Path, target_config, embed_weight: torch.Tensor | None
         raise artifacts.ArtifactError(f"{path}: neither a draftsmith checkpoint (head.json) nor an exported head (config.json)")
     head = spec.model.from_config(config)
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens")}
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # shapes that do not fit the config
+        raise artifacts.ArtifactError(f"{path}: weights do not fit a {spec.kind} head for this target "
+                                      f"({str(exc).splitlines()[-1].strip()})") from None
     saved = set(head.trainable_state())  # frozen target weights (embedding, lm_head) are never in a head's files
     missing = [m for m in missing if m in saved]
     if missing or unexpected:

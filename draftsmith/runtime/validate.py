@@ -62,7 +62,9 @@ def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[torch.Te
         if len(prompts) >= limit:
             break
     if not prompts:
-        raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with")
+        raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with "
+                         f"(data.heldout_fraction={recipe.data.heldout_fraction}): raise data.heldout_fraction and rerun "
+                         "`draftsmith data`, or give sources with more conversations")
     return prompts
 
 

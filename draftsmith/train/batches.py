@@ -35,14 +35,37 @@ class OnlineSource:
 
 
 class OfflineSource:
-    def __init__(self, store):
-        self.store = store
+    """Samples from the capture store. A corrupt sample (checksum mismatch) stops training, or with
+    `train.corrupt_samples: skip` is replaced by an empty, fully masked one (no loss, no gradient; every
+    process keeps the same batch shape and step) and counted in `num_corrupt`."""
+
+    def __init__(self, store, on_corrupt: str = "fail"):
+        self.store, self.on_corrupt, self.num_corrupt = store, on_corrupt, 0
 
     def __len__(self) -> int:
         return len(self.store)
 
     def records(self, indices: list[int]) -> list[dict]:
-        return [self.store[i] for i in indices]
+        return [self._read(i) for i in indices]
+
+    def _read(self, i: int) -> dict:
+        from draftsmith.data.store import CorruptSample
+        try:
+            return self.store[i]
+        except CorruptSample as exc:
+            if self.on_corrupt != "skip":
+                raise
+            self.num_corrupt += 1
+            print(f"skipped: {exc}", flush=True)
+            return self._masked_stub()
+
+    def _masked_stub(self) -> dict:
+        m = self.store.manifest
+        final = m.get("feature") == "final"
+        width = m["hidden_size"] * (1 if final else len(m["stored_layer_ids"]))
+        teacher = None if (m.get("recompute") or final) else torch.zeros(0, m["hidden_size"])
+        return {"input_ids": torch.zeros(2, dtype=torch.long), "loss_mask": torch.zeros(2, dtype=torch.long),
+                "teacher_pos": torch.zeros(0, dtype=torch.long), "teacher": teacher, "aux": torch.zeros(1, width)}
 
 
 def collate(records: list[dict], max_tokens: int) -> dict:
@@ -102,6 +125,10 @@ class Subset:
 
     def records(self, idx: list[int]) -> list[dict]:
         return self.source.records([self.indices[i] for i in idx])
+
+    @property
+    def num_corrupt(self) -> int:
+        return getattr(self.source, "num_corrupt", 0)
 
 
 def split_indices(num_samples: int, every: int = 20) -> tuple[list[int], list[int]]:

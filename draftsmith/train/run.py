@@ -28,10 +28,10 @@ def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int],
         raise artifacts.ArtifactError(f"{capture_dir(recipe)} holds {len(store)} samples, the data stage {len(dataset)}")
     if store.manifest.get("recompute"):  # a compact store: rebuild the low feature and the teacher on the device
         model = load_target_layers(recipe, accelerator.device, skip=range(layer_ids[0], layer_ids[-1]))
-        return (B.OfflineSource(store), model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                FeatureCompleter(model, layer_ids))
+        return (B.OfflineSource(store, recipe.train.corrupt_samples), model.get_input_embeddings().weight,
+                model.get_output_embeddings().weight, FeatureCompleter(model, layer_ids))
     embed, lm_head = load_target_embeddings(recipe.target.model)
-    return B.OfflineSource(store), embed, lm_head, None
+    return B.OfflineSource(store, recipe.train.corrupt_samples), embed, lm_head, None
 
 
 def _init_from(head, path: str, target_config, d2t, t2d):

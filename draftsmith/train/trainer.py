@@ -155,6 +155,8 @@ class Trainer:
         values = {k: float(v) for k, v in metrics.items()}
         values.update(step=self.step, lr=self.scheduler.get_last_lr()[0], tokens=self.tokens,
                       tokens_per_s=self.tokens / max(time.perf_counter() - started, 1e-9))
+        if self.source.num_corrupt:
+            values["corrupt_samples_skipped"] = self.source.num_corrupt
         if torch.cuda.is_available():
             values["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.log.write(values)

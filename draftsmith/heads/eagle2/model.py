@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads import family
+from draftsmith.heads.base import DraftHead
 from draftsmith.heads.eagle2.loss import eagle2_loss
 
 DEFAULT_TTT_STEPS = 1  # the published EAGLE-1 objective; BENCHMARKS.md measures k > 1
@@ -40,8 +41,9 @@ def draft_config_from_target(target_config, fc_bias: bool | None = None, interme
     return config
 
 
-class Eagle2Head(nn.Module):
+class Eagle2Head(DraftHead):
     kind = "eagle2"
+    FROZEN = ("embed_tokens", "lm_head", "rotary")  # the target's embedding and lm_head
 
     def __init__(self, config: dict, ttt_steps: int = 1, loss_decay: float = 0.8, feature_weight: float = 1.0,
                  token_weight: float = 0.1, input_noise: float = 0.0):
@@ -96,11 +98,3 @@ class Eagle2Head(nn.Module):
     def loss(self, batch: dict):
         """Feature regression + 0.1 x soft CE, unrolled over `ttt_steps`; see loss.py."""
         return eagle2_loss(self, batch)
-
-    forward = loss  # DDP/FSDP/DeepSpeed hook into forward, so the loss is the forward
-
-    def draft_config(self) -> dict:
-        return dict(self.config)
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "lm_head", "rotary"))}

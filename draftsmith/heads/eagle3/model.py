@@ -17,6 +17,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from draftsmith.heads.base import DraftHead
 from draftsmith.heads.eagle3.loss import ttt_loss
 
 
@@ -102,7 +103,7 @@ def default_layer_ids(num_target_layers: int) -> list[int]:
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     """The EAGLE-3 head. `config` is the HF-style dict from `draft_config_from_target`."""
     kind = "eagle3"
 
@@ -161,12 +162,3 @@ class Eagle3Head(nn.Module):
     def loss(self, batch: dict):
         """Training-time test over `ttt_steps` unrolled steps; see loss.py."""
         return ttt_loss(self, batch)
-
-    forward = loss  # DDP/FSDP/DeepSpeed hook into forward, so the loss is the forward
-
-    def draft_config(self) -> dict:
-        return dict(self.config)
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "rotary"))}
-        return state

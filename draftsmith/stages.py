@@ -62,9 +62,8 @@ def stage_export(recipe: Recipe | None, args=None):
     head = getattr(args, "head", None) or str(head_dir(recipe))
     engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else None)
     if not engines:  # every engine the head's kind exports to
-        from draftsmith import artifacts as arts
         from draftsmith.heads.registry import head_spec
-        engines = list(head_spec(arts.read_json(Path(head) / "head.json").get("kind", "eagle3")).formats.ADAPTERS)
+        engines = list(head_spec(artifacts.read_json(Path(head) / "head.json").get("kind", "eagle3")).formats.ADAPTERS)
     dtype = recipe.export.dtype if recipe else "bf16"
     chosen_out = getattr(args, "out", None) if len(engines) == 1 else None  # --out names one engine's folder
     base = Path(recipe.run_dir) if recipe else Path(head).parent

@@ -62,6 +62,13 @@ def tokenizer(micro_target):
     return AutoTokenizer.from_pretrained(micro_target)
 
 
+def target_config(name: str):
+    """A real target's config (tests/fixtures/target_configs.json: facts, no weights)."""
+    from transformers import AutoConfig
+    cfg = dict(json.loads((FIXTURES / "target_configs.json").read_text())[name])
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
 def template(name: str) -> str:
     return (FIXTURES / "templates" / f"{name}.jinja").read_text().strip()
 

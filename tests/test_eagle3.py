@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig
+
+from conftest import target_config
+from transformers import LlamaConfig
 
 from draftsmith.heads.ttt import TTTAttention, shift_left
 from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
@@ -14,12 +16,6 @@ from draftsmith.recipe import HeadConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LAYOUTS = json.loads((FIXTURES / "published_eagle3_layouts.json").read_text())
-TARGETS = json.loads((FIXTURES / "target_configs.json").read_text())
-
-
-def target_config(name: str):
-    cfg = dict(TARGETS[name])
-    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
 @pytest.mark.parametrize("layout,target", [

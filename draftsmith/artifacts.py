@@ -94,11 +94,14 @@ def check_upstream(manifest: dict, expected: dict, where: str) -> None:
         raise ArtifactError(f"{where} was made for something else: " + "; ".join(problems))
 
 
-def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
-    """A head checkpoint: model.safetensors + head.json, written to a temp dir and renamed."""
+def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict, write_extra=None) -> None:
+    """A head checkpoint: model.safetensors + head.json (+ whatever `write_extra(dir)` adds, e.g. a
+    LoRA adapter), written to a temp dir and renamed."""
     directory = Path(directory)
     with atomic_path(directory) as tmp:
         tmp.mkdir(parents=True)
+        if write_extra is not None:
+            write_extra(tmp)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         metadata = {**metadata, "sha256": sha256_file(tmp / "model.safetensors")}
         (tmp / "head.json").write_text(json.dumps(metadata, indent=2, default=str))

@@ -7,7 +7,9 @@
 3. training tokens/s and peak memory for TTT k = 1, 3, 7;
 4. the runtime: tau and speedups from `draftsmith validate` on held-out prompts;
 5. head kinds side by side at equal training wall-clock (EAGLE-2 with k = 1 and its TTT default, and
-   EAGLE-3): tau, speedup, trainable parameters, training tokens/s, bytes per token stored.
+   EAGLE-3): tau, speedup, trainable parameters, training tokens/s, bytes per token stored;
+6. Medusa-1, Medusa-2 and EAGLE-3 demos: tau, speedup, per-head accuracy, sampled and typical
+   acceptance, Medusa-2's drift from the original target.
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -176,6 +178,34 @@ def bench_heads(data_recipe, overrides: list[str], seconds: float) -> dict:
     return out
 
 
+MEDUSA_RUNS = {"medusa1": "recipes/demo/stdlib-code-medusa1.yaml", "medusa2": "recipes/demo/stdlib-code-medusa2.yaml"}
+# EAGLE-3's row comes from the runtime section: the EAGLE-3 demo's validation on the same prompts
+
+
+def bench_medusa(overrides: list[str]) -> dict:
+    """Each demo recipe through `draftsmith run` (current stages kept), then its validation read back."""
+    from draftsmith import artifacts, stages
+    out = {}
+    for name, path in MEDUSA_RUNS.items():
+        recipe = recipe_mod.load(path, overrides)
+        print(stages.run_all(recipe), flush=True)
+        v = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+        meta = artifacts.read_json(recipe.run_dir / "head" / "head.json")
+        final = meta.get("final_metrics") or {}
+        num_heads = recipe.head.num_heads if recipe.head.kind == "medusa" else 0
+        out[name] = {"kind": recipe.head.kind, "variant": meta["draft_config"].get("draftsmith", {}).get("variant", recipe.head.kind),
+                     "train_steps": meta.get("step"), "train_seconds": (final.get("tokens") or 0) / max(final.get("tokens_per_s") or 1, 1e-9),
+                     "tau": v["tau"], "speedup_vs_plain": v["speedup_vs_plain"], "exact": f"{v['num_exact']}/{v['num_prompts']}",
+                     "acceptance_per_depth": v["acceptance_per_depth"], "draft_to_target_cost_c": v["draft_to_target_cost_c"],
+                     "tree_nodes": v["tree"]["num_nodes"], "sampled": v.get("sampled"), "typical": v.get("typical_acceptance"),
+                     "eval_top1": [final.get(f"eval_top1_{k}") for k in range(num_heads)],
+                     "eval_top5": [final.get(f"eval_top5_{k}") for k in range(num_heads)],
+                     "calibration_top1": (v.get("calibration") or {}).get("per_head_top1"),
+                     "tree_choices": v["tree"].get("choices"), "drift": v.get("drift")}
+        print(f"[bench] {name}: tau {v['tau']:.2f}, {v['speedup_vs_plain']:.2f}x", flush=True)
+    return out
+
+
 def _link_data(recipe, source_recipe) -> None:
     """A fresh copy of the demo's data stage (same inputs hash) in a scratch run directory."""
     import shutil
@@ -193,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--layout-steps", type=int, default=300)
     parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
-    parser.add_argument("--sections", default="capture,train,layouts,runtime,heads",
+    parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset to re-measure; the others are kept from the existing .json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -203,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     json_path = Path(args.out).with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and sections != set(SECTIONS) else {}
-    results.update(machine=machine(), date=time.strftime("%Y-%m-%d"), recipe=args.recipe)
+    results.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
+    if sections - {"medusa"}:  # the medusa section runs its own demo recipes
+        results["recipe"] = args.recipe
     measure = {"capture": lambda: bench_capture(args.recipe, args.overrides),
                "train": lambda: {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
                "layouts": lambda: bench_layouts(args.recipe, args.overrides, args.layout_steps),
                "runtime": lambda: json.loads((recipe.run_dir / "validate" / "validation.json").read_text()),
-               "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds)}
+               "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds),
+               "medusa": lambda: bench_medusa(args.overrides)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -221,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa"]
 
 
 def render(r: dict) -> str:
@@ -267,7 +300,7 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _render_heads(r) + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:
@@ -302,6 +335,50 @@ def _render_heads(r: dict) -> list[str]:
                     "is very informative; EAGLE-3's extra features and TTT pay off on large targets and diverse data. "
                     "At equal wall-clock, TTT k = 3 runs 2.5x fewer EAGLE-2 steps and ends below k = 1, so EAGLE-2 "
                     "keeps the published one-step objective as its default.", ""]
+
+
+def _fmt(values) -> str:
+    return ", ".join(f"{x:.2f}" for x in values if x is not None) if values else "-"
+
+
+def _render_medusa(r: dict) -> list[str]:
+    if "medusa" not in r:
+        return []
+    m = r["medusa"]
+    lines = ["## Medusa-1, Medusa-2 and EAGLE-3 on the demo (issue #12)", "",
+             f"Each demo recipe run as `make demo RECIPE=...` runs it ({r.get('measured', {}).get('medusa', r['date'])}); "
+             "greedy decoding on the same 16 held-out prompts, tree settings from each recipe (Medusa: a tree built from "
+             "the heads' measured per-rank accuracies on 8 other held-out prompts). Sampled rows: temperature 0.8, "
+             "lossless verification (Medusa: the heads' distributions as proposals); typical acceptance is Medusa's "
+             "lossy rule, shown for comparison only.", "",
+             "| head | train steps (s) | tree nodes | tau | speedup vs plain | greedy exact | sampled tau | typical tau (lossy) | c |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rt = r["runtime"]
+    rows = dict(m)
+    rows["eagle3 (runtime section)"] = {"train_steps": (rt.get("training") or {}).get("step", "-"), "train_seconds": 0.0,
+                                        "tree_nodes": rt["tree"]["num_nodes"], "tau": rt["tau"], "speedup_vs_plain": rt["speedup_vs_plain"],
+                                        "exact": f"{rt['num_exact']}/{rt['num_prompts']}", "sampled": rt.get("sampled"),
+                                        "draft_to_target_cost_c": rt["draft_to_target_cost_c"]}
+    for name, h in rows.items():
+        sampled = f"{h['sampled']['tau']:.2f}" if h.get("sampled") else "-"
+        typical = f"{h['typical']['tau']:.2f}" if h.get("typical") else "-"
+        seconds = f" ({h['train_seconds']:.0f})" if h["train_seconds"] else ""
+        lines.append(f"| {name} | {h['train_steps']}{seconds} | {h['tree_nodes']} | {h['tau']:.2f} | "
+                     f"{h['speedup_vs_plain']:.2f}x | {h['exact']} | {sampled} | {typical} | {h['draft_to_target_cost_c']:.3f} |")
+    lines += ["", "Per-head accuracy (head k predicts token t+2+k) against the target's argmax:", "",
+              "| head | held-out top-1 per head (training eval) | top-5 per head | top-1 on validation continuations |",
+              "|---|---|---|---|"]
+    for name, h in m.items():
+        if h["kind"] == "medusa":
+            lines.append(f"| {name} | {_fmt(h['eval_top1'])} | {_fmt(h['eval_top5'])} | {_fmt(h['calibration_top1'])} |")
+    drift = (m.get("medusa2") or {}).get("drift")
+    if drift:
+        lines += ["", "Medusa-2 changes the served model. Drift of its fine-tuned target from the original on the same "
+                  f"{drift['num_prompts']} held-out prompts: greedy token agreement {drift['greedy_token_agreement']:.3f}, "
+                  f"identical outputs {drift['greedy_output_agreement']:.3f}, mean KL(original || fine-tuned) per token "
+                  f"{drift['mean_kl_per_token']:.5f}, held-out perplexity {drift['perplexity_original']:.3f} (original) -> "
+                  f"{drift['perplexity_finetuned']:.3f} (fine-tuned), over {drift['num_perplexity_conversations']} conversations."]
+    return lines + [""]
 
 
 def _shortfalls(r: dict) -> list[str]:

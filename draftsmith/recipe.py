@@ -96,6 +96,22 @@ class CaptureConfig:
 
 
 @dataclass
+class LoraJointConfig:
+    """Joint training of head and target (Medusa-2; MTP joint): LoRA adapters on the target (peft),
+    self-distillation (KL to the target with adapters off), heads-only warmup first."""
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+    heads_only_steps: int | None = None  # stage 1 (heads only); None: a third of train's steps
+    heads_coefficient: float = 0.2       # weight of the head loss next to the KL term in stage 2
+    heads_ramp: str = "sine"             # constant | linear | sine ramp of that weight over stage 2
+    heads_lr_multiplier: float = 4.0     # heads' learning rate = train.lr x this; adapters get train.lr
+    kl_weight: float = 1.0
+
+
+@dataclass
 class HeadConfig:
     """Which head and its objective. Keys a kind does not read are ignored by it (see README)."""
     kind: str = "eagle3"
@@ -108,6 +124,10 @@ class HeadConfig:
     token_weight: float = 0.1           # eagle2: soft cross-entropy weight (EAGLE: 0.1)
     input_noise: float = 0.0            # eagle2: uniform feature noise width, x 512/seq_len (EAGLE: 0.2)
     init_from: str | None = None        # start from a published/exported head of this kind
+    num_heads: int = 4                  # medusa: K heads, head k predicts token t+2+k
+    num_layers: int = 1                 # medusa: residual SiLU blocks per head (each its own weights)
+    shared_lm_head: bool = False        # medusa: every head reads through the target's frozen lm_head
+    lora: LoraJointConfig | None = None  # medusa: set for Medusa-2 (joint LoRA training, capture.mode online)
 
 
 @dataclass
@@ -150,6 +170,11 @@ class ValidateConfig:
     sample_top_k: int = 0
     device: str = "auto"
     min_tau: float | None = None
+    tree_choices: list[list[int]] | None = None  # medusa: a static choice list; None: built from measured accuracies
+    num_calibration_prompts: int = 8             # medusa: held-out prompts (after the measured ones) for the tree
+    typical_acceptance: bool = False             # medusa: also measure Medusa's lossy typical acceptance (reported, never pass/fail)
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
 
 @dataclass
@@ -199,6 +224,7 @@ CHOICES = {
     "capture.compression": {"none", "zstd"},
     "train.tracking.backend": {"wandb", "none"},
     "train.corrupt_samples": {"fail", "skip"},
+    "head.lora.heads_ramp": {"constant", "linear", "sine"},
     "export.dtype": {"bf16", "fp16", "fp32"},
 }
 

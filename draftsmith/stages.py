@@ -63,7 +63,9 @@ def stage_export(recipe: Recipe | None, args=None):
     engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else None)
     if not engines:  # every engine the head's kind exports to
         from draftsmith.heads.registry import head_spec
-        engines = list(head_spec(artifacts.read_json(Path(head) / "head.json").get("kind", "eagle3")).formats.ADAPTERS)
+        meta = artifacts.read_json(Path(head) / "head.json")
+        formats = head_spec(meta.get("kind", "eagle3")).formats
+        engines = formats.engines_for(meta) if hasattr(formats, "engines_for") else list(formats.ADAPTERS)
     dtype = recipe.export.dtype if recipe else "bf16"
     chosen_out = getattr(args, "out", None) if len(engines) == 1 else None  # --out names one engine's folder
     base = Path(recipe.run_dir) if recipe else Path(head).parent

@@ -203,7 +203,7 @@ def test_damaged_checkpoints_are_named(micro_pipeline, tmp_path, damage, message
 
 @pytest.mark.parametrize("config, weights, message", [
     ({"architectures": ["BertModel"], "num_hidden_layers": 12}, {"x": torch.zeros(1)}, r"matches no known head layout"),
-    ({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}, None, r"no \*.safetensors or \*.bin weights"),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}, None, r"no \*.safetensors, \*.bin or \*.pt weights"),
     ({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}, {"fc.weight": torch.zeros(2, 2)},
      r"weights do not fit a eagle3 head"),
 ])

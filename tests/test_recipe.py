@@ -15,7 +15,12 @@ TRAINING_RECIPES = [p for p in RECIPES if "launch" not in p.parts]
 def test_every_recipe_loads(path):
     recipe = recipe_mod.load(path)
     from draftsmith.heads.registry import head_spec
-    assert recipe.name and head_spec(recipe.head.kind).kind == recipe.head.kind == path.stem.split("-")[-1]
+    suffix = path.stem.split("-")[-1]  # the kind; Medusa recipes say which variant: medusa1 or medusa2 (joint LoRA)
+    kind = "medusa" if suffix in ("medusa1", "medusa2") else suffix
+    assert recipe.name and head_spec(recipe.head.kind).kind == recipe.head.kind == kind
+    assert (recipe.head.lora is not None) == (suffix == "medusa2")
+    if recipe.head.lora is not None:
+        assert recipe.capture.mode == "online"
     assert recipe_mod.loads(recipe_mod.dump(recipe)).to_dict() == recipe.to_dict()  # resolved form round-trips
 
 

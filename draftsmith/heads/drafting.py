@@ -31,6 +31,7 @@ class TreeConfig:
     depth: int = 6
     top_k: int = 8
     num_nodes: int = 32
+    choices: list[list[int]] | None = None  # static trees (Medusa choice lists); None: the kind's own
 
 
 class Drafter(Protocol):

@@ -23,14 +23,14 @@ def cast(tensors: dict, dtype: str) -> dict:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory's *.safetensors and *.bin files."""
+    """Every tensor of a directory's *.safetensors and *.bin files (and *.pt: FasterDecoding's Medusa heads)."""
     tensors = {}
     for file in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
-    for file in sorted(directory.glob("*.bin")):
+    for file in sorted(directory.glob("*.bin")) + sorted(directory.glob("*.pt")):
         tensors.update(torch.load(file, map_location="cpu", weights_only=True))
     if not tensors:
-        raise artifacts.ArtifactError(f"{directory}: no *.safetensors or *.bin weights")
+        raise artifacts.ArtifactError(f"{directory}: no *.safetensors, *.bin or *.pt weights")
     return tensors
 
 

@@ -21,9 +21,10 @@ from draftsmith.target.features import FINAL, FeatureNeeds
 PACKAGES = {
     "eagle2": "draftsmith.heads.eagle2",
     "eagle3": "draftsmith.heads.eagle3",
+    "medusa": "draftsmith.heads.medusa",
 }
 # kinds whose features the capture stage can already store, but that have no head yet
-CAPTURE_ONLY = {"medusa": FINAL, "mtp": FINAL}
+CAPTURE_ONLY = {"mtp": FINAL}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ class Tree:
     parent_N: torch.Tensor   # parent index, -1 for the root
     depth_N: torch.Tensor
     mask_NN: torch.Tensor
+    # sampled drafts: `proposal_RV[child_proposal_N[n]]` is the distribution node n's children were
+    # drawn from, without replacement and in child order (-1 / None: deterministic drafts)
+    proposal_RV: torch.Tensor | None = None
+    child_proposal_N: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens_N)
@@ -55,22 +59,71 @@ def assemble_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parent: to
     return Tree(tokens, parent, depth, ancestor_mask(parent, depth, max_depth))
 
 
+class StaticLayout:
+    """A Medusa-style choice list, laid out once: path [a, b] = rank a at depth 1, then rank b at
+    depth 2 (ranks of the heads' candidates, one head per depth). Each step only gathers tokens,
+    on the device. With `by_child_order`, node j-th-child-of-its-parent takes candidate j instead of
+    its rank: sampled drafts then give every parent the first samples of its depth (lossless
+    verification with proposals needs that)."""
+
+    def __init__(self, choices: list[list[int]], device=None):
+        paths = sorted({tuple(c) for c in choices}, key=lambda p: (len(p), p))
+        index, parent, depth, rank, order = {(): 0}, [-1], [0], [0], [0]
+        children = {}
+        for path in paths:
+            if not path or min(path) < 0:
+                raise ValueError(f"tree choice {list(path)}: expected a non-empty list of ranks >= 0")
+            if path[:-1] not in index:
+                raise ValueError(f"tree choice {list(path)} lacks its parent {list(path[:-1])}")
+            index[path] = len(parent)
+            parent.append(index[path[:-1]])
+            depth.append(len(path))
+            rank.append(path[-1])
+            order.append(children.setdefault(path[:-1], 0))
+            children[path[:-1]] += 1
+        self.choices = [list(p) for p in paths]
+        self.max_depth = max(depth)
+        self.max_rank = max(rank) + 1
+        self.parent_N = torch.tensor(parent, device=device)
+        self.depth_N = torch.tensor(depth, device=device)
+        self.rank_N = torch.tensor(rank, device=device)
+        self.order_N = torch.tensor(order, device=device)
+        self.mask_NN = ancestor_mask(self.parent_N, self.depth_N)
+
+    def __len__(self) -> int:
+        return len(self.parent_N)
+
+    def tree(self, root: torch.Tensor, candidates_DK: torch.Tensor, by_child_order: bool = False) -> Tree:
+        """`candidates_DK[d]`: ranked (or sampled) candidates for depth d+1."""
+        column = self.order_N if by_child_order else self.rank_N
+        picked = candidates_DK[(self.depth_N - 1).clamp(min=0), column]
+        tokens = torch.where(self.depth_N == 0, root.view(1), picked)
+        return Tree(tokens, self.parent_N, self.depth_N, self.mask_NN)
+
+
 def static_tree(root: torch.Tensor, choices: list[list[int]], topk_tokens_DK: torch.Tensor) -> Tree:
-    """Medusa-style choice list: path [a, b] = top-a at depth 1, then top-b at depth 2.
-    `topk_tokens_DK[d]` are the ranked candidates for depth d+1 (heads that predict ahead)."""
-    paths = sorted({tuple(c) for c in choices}, key=lambda p: (len(p), p))
-    index = {(): 0}
-    tokens, parent, depth = [int(root)], [-1], [0]
-    for path in paths:
-        if path[:-1] not in index:
-            raise ValueError(f"tree choice {list(path)} lacks its parent {list(path[:-1])}")
-        index[path] = len(tokens)
-        tokens.append(int(topk_tokens_DK[len(path) - 1, path[-1]]))
-        parent.append(index[path[:-1]])
-        depth.append(len(path))
-    device = topk_tokens_DK.device
-    parent_t, depth_t = torch.tensor(parent, device=device), torch.tensor(depth, device=device)
-    return Tree(torch.tensor(tokens, device=device), parent_t, depth_t, ancestor_mask(parent_t, depth_t))
+    """One tree from a choice list and ranked candidates (see `StaticLayout`)."""
+    return StaticLayout(choices, topk_tokens_DK.device).tree(root, topk_tokens_DK)
+
+
+def tree_from_accuracies(accuracy_DK: list[list[float]], num_nodes: int) -> list[list[int]]:
+    """The Medusa paper's accuracy-built tree: `accuracy_DK[d][r]` is the measured probability that
+    depth d+1's rank-r candidate is the right token. A path's expected contribution to the
+    acceptance length is the product of its ranks' accuracies (independence assumed); greedily add
+    the child of an existing node with the largest product until the tree holds `num_nodes` nodes
+    (root included). Returns the choice list."""
+    import heapq
+    depth_max, ranks = len(accuracy_DK), len(accuracy_DK[0]) if accuracy_DK else 0
+    heap = [(-accuracy_DK[0][r], (r,)) for r in range(ranks)] if depth_max else []
+    heapq.heapify(heap)
+    chosen = []
+    while heap and len(chosen) < num_nodes - 1:
+        neg, path = heapq.heappop(heap)
+        chosen.append(list(path))
+        if len(path) < depth_max:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg * accuracy_DK[len(path)][r], path + (r,)))
+    return chosen
 
 
 def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> Tree:

@@ -53,11 +53,16 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
     target = meta.get("target_id") or ""
     validation = None if allow_unvalidated else check_validated(head_path, target)
     config, named = formats.ADAPTERS[engine](tensors, meta["draft_config"], dtype, target=target)
+    writer = getattr(formats, "WRITERS", {}).get(engine)  # a layout with files of its own (names, a whole model)
     out_path = Path(out)
     with artifacts.atomic_path(out_path) as tmp:
         tmp.mkdir(parents=True)
-        save_file(named, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if config:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if writer is None:
+            save_file(named, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            writer(tmp, named, meta | {"export_dtype": dtype}, head_path)
         (tmp / "README.md").write_text(formats.model_card(engine, meta, validation, str(out_path)))
         if out_path.exists():
             shutil.rmtree(out_path)

@@ -131,13 +131,27 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
                                  model.get_output_embeddings().weight)
     draft_head = draft_head.to(device=device, dtype=model.dtype)
     _check_target(meta, model, recipe)
-    prompts = [p.to(device) for p in prompts_from_heldout(recipe, tokenizer, cfg.num_prompts)]
-    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
+    eos = eos_ids(model, tokenizer)
+    heldout = [p.to(device) for p in prompts_from_heldout(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)]
+    prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
+    max_len = max(len(p) for p in heldout) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
+    drift = None
+    if draft_head.config.get("draftsmith", {}).get("variant") == "medusa2":  # the head runs on the fine-tuned target
+        from draftsmith.runtime.drift import measure_drift
+        model, drift = measure_drift(recipe, model, head_path / "lora", prompts, max_len, eos, tokenizer)
     runner = TargetRunner(model, max_len, layer_ids)
-    drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes),
+    drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices),
                                                  step_compiler("auto", device))
-    result = _measure(recipe, model, runner, drafter, prompts, eos_ids(model, tokenizer))
+    calibration = None
+    if hasattr(drafter, "calibrate") and cfg.tree_choices is None:
+        calibration = _calibrate(drafter, runner, calibration_prompts, cfg.max_new_tokens, eos)
+        calibration["prompts"] = "separate held-out prompts" if len(heldout) > cfg.num_prompts else "the measured prompts (too few held out)"
+    result = _measure(recipe, model, runner, drafter, prompts, eos)
+    if calibration:
+        result["calibration"] = calibration
+    if drift:
+        result["drift"] = drift
     result.update(head=str(head_path), head_sha256=_head_sha(head_path), head_format=meta.get("source_format"),
                   target=recipe.target.model, device=str(device), dtype=str(model.dtype),
                   validate_hash=recipe.section_hash("validate"), tree=vars(drafter.tree_cfg),
@@ -156,6 +170,20 @@ def _check_target(meta: dict, model, recipe: Recipe) -> None:
                          f"({recipe.target.model}); this head was trained for another target")
     if meta.get("target_id") and meta["target_id"] != recipe.target.model:
         print(f"warning: head was trained for {meta['target_id']}, validating against {recipe.target.model}", flush=True)
+
+
+def _calibrate(drafter, runner, prompts, max_new_tokens: int, eos) -> dict:
+    """The target's own greedy continuations of held-out prompts, for drafters that shape their
+    tree from measured accuracies (Medusa)."""
+    sequences = []
+    for prompt in prompts:
+        out = plain_generate(runner, prompt, max_new_tokens, SamplingConfig(), eos)
+        sequences.append((torch.cat([prompt, torch.tensor(out.tokens, device=prompt.device)]), len(prompt)))
+
+    def features_of(tokens):
+        runner.reset()
+        return runner.prefill(tokens)[1]
+    return drafter.calibrate(sequences, features_of)
 
 
 def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
@@ -190,7 +218,17 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
         sampled = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         gen = torch.Generator(device=prompts[0].device).manual_seed(recipe.seed)
         runs = [speculative_generate(runner, drafter, p, cfg.max_new_tokens, sampled, eos, gen) for p in prompts]
-        result["sampled"] = {"temperature": cfg.temperature, **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
+        result["sampled"] = {"temperature": cfg.temperature, "lossless": True,
+                             **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
+        if cfg.typical_acceptance:
+            typical = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p, "typical", cfg.posterior_threshold, cfg.posterior_alpha)
+            runs = [speculative_generate(runner, drafter, p, cfg.max_new_tokens, typical, eos, gen) for p in prompts]
+            tokens = sum(len(r.tokens) for r in runs)
+            result["typical_acceptance"] = {
+                "lossless": False, "note": "Medusa's typical acceptance: output does NOT follow the target distribution; "
+                "reported for comparison, never used for pass/fail", "posterior_threshold": cfg.posterior_threshold,
+                "posterior_alpha": cfg.posterior_alpha, "tokens_per_s": tokens / sum(r.seconds for r in runs),
+                **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
     return result
 
 
@@ -220,7 +258,23 @@ def write_report(out_dir: Path, result: dict) -> None:
              f"- draft/target step cost c = {result['draft_to_target_cost_c']:.3f}; expected walltime factor "
              f"tau/(gamma*c+1) = {result['expected_walltime_factor']:.2f} (gamma = depth)",
              f"- greedy output identical to plain greedy decoding: {result['num_exact']}/{result['num_prompts']} prompts",
-             f"- passed: **{result['passed']}**", "", "![acceptance](acceptance.png)", ""]
+             f"- passed: **{result['passed']}**"]
+    if result.get("calibration"):
+        top1 = ", ".join(f"{a:.2f}" for a in result["calibration"]["per_head_top1"])
+        lines.append(f"- tree built from measured per-head accuracies (top-1 per head: {top1}; "
+                     f"{result['calibration']['prompts']}): {len(result['tree']['choices'])} nodes, saved in validation.json")
+    if result.get("typical_acceptance"):
+        t = result["typical_acceptance"]
+        lines.append(f"- typical acceptance (LOSSY, not used for pass/fail): tau {t['tau']:.3f}, {t['tokens_per_s']:.1f} tok/s")
+    if result.get("drift"):
+        d = result["drift"]
+        lines += ["", "## Drift of the fine-tuned target (Medusa-2 changes the served model)", "",
+                  f"- greedy agreement with the original target: {d['greedy_token_agreement']:.3f} of tokens, "
+                  f"{d['greedy_output_agreement']:.3f} of outputs identical ({d['num_prompts']} held-out prompts)",
+                  f"- mean KL(original || fine-tuned) per token: {d['mean_kl_per_token']:.5f}",
+                  f"- held-out perplexity: original {d['perplexity_original']:.3f}, fine-tuned {d['perplexity_finetuned']:.3f}",
+                  "- the speculative output above is exact against the *fine-tuned* target, which is what Medusa-2 serves"]
+    lines += ["", "![acceptance](acceptance.png)", ""]
     with artifacts.atomic_path(out_dir / "report.md") as tmp:
         tmp.write_text("\n".join(lines))
     artifacts.write_json(out_dir / "validation.json", result)

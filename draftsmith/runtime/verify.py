@@ -7,7 +7,15 @@ Sampling (lossless, target-only rejection for deterministic drafts): at the curr
 target distribution processed exactly as the plain sampler processes it, try the children in order;
 accept child x with probability p(x); on rejection set p(x)=0 and renormalize; if every child is
 rejected (or there are none) draw the next token from what is left of p. The emitted token is
-then distributed exactly as p, so the output follows the target distribution."""
+then distributed exactly as p, so the output follows the target distribution.
+
+Sampled drafts (a tree with proposals, e.g. Medusa heads' distributions q): children were drawn
+from q without replacement, in child order. Accept child x with probability min(1, p(x)/q(x)); on
+rejection p <- norm(max(p - q, 0)) and q <- q without x, renormalized (recursive rejection
+sampling; lossless for any proposal, since each residual depends on q and p only).
+
+Typical acceptance (Medusa's, `acceptance: typical`) accepts x when p(x) > min(eps, a*exp(-H(p)));
+it is lossy (the output no longer follows p) and is reported as such, never used for pass/fail."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +30,9 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    acceptance: str = "exact"          # "typical": Medusa's lossy rule (posterior_threshold, posterior_alpha)
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     @property
     def greedy(self) -> bool:
@@ -64,20 +75,35 @@ def verify_greedy(tree: Tree, logits_NV: torch.Tensor) -> tuple[torch.Tensor, to
     return path, argmax[best]
 
 
+def _try_children(tree: Tree, node: int, probs: torch.Tensor, gen) -> tuple[int | None, torch.Tensor]:
+    """Rejection over `node`'s children in order: (accepted child or None, what is left of p)."""
+    row = -1 if tree.proposal_RV is None else int(tree.child_proposal_N[node])
+    proposal = tree.proposal_RV[row].float().clone() if row >= 0 else None
+    for child in tree.children(node):
+        token = tree.tokens_N[child]
+        coin = torch.rand((), generator=gen, device=probs.device)
+        if proposal is None:  # deterministic draft: accept with p(x)
+            if coin < probs[token]:
+                return child, probs
+            probs[token] = 0.0
+        else:
+            q = proposal[token].clamp(min=1e-30)
+            if coin * q < probs[token]:  # coin < min(1, p/q)
+                return child, probs
+            residual = (probs - proposal).clamp_(min=0.0)
+            if residual.sum() > 0:  # zero only when p == q, where rejection has probability zero
+                probs = residual
+            proposal[token] = 0.0
+            proposal = proposal / proposal.sum().clamp(min=1e-30)
+        probs = probs / probs.sum()
+    return None, probs
+
+
 def verify_sampling(tree: Tree, logits_NV: torch.Tensor, cfg: SamplingConfig,
                     gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     node, path = 0, [0]
     while True:
-        probs = processed_probs(logits_NV[node], cfg)
-        chosen = None
-        for child in tree.children(node):
-            token = tree.tokens_N[child]
-            coin = torch.rand((), generator=gen, device=probs.device)
-            if coin < probs[token]:
-                chosen = child
-                break
-            probs[token] = 0.0
-            probs = probs / probs.sum()
+        chosen, probs = _try_children(tree, node, processed_probs(logits_NV[node], cfg), gen)
         if chosen is None:
             bonus = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             return torch.tensor(path, device=logits_NV.device), bonus
@@ -85,5 +111,32 @@ def verify_sampling(tree: Tree, logits_NV: torch.Tensor, cfg: SamplingConfig,
         path.append(node)
 
 
+def verify_typical(tree: Tree, logits_NV: torch.Tensor, cfg: SamplingConfig,
+                   gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa's typical acceptance (lossy): the longest path whose every token clears the
+    entropy-dependent threshold under its parent's distribution; ties go to the likeliest path."""
+    probs_NV = processed_probs(logits_NV, cfg)
+    parent = tree.parent_N.clamp(min=0)
+    p_parent = probs_NV[parent]
+    entropy = -(p_parent * torch.log(p_parent.clamp(min=1e-30))).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, cfg.posterior_threshold), cfg.posterior_alpha * torch.exp(-entropy))
+    token_p = p_parent.gather(-1, tree.tokens_N[:, None]).squeeze(-1)
+    match = token_p > threshold
+    match[0] = True
+    accepted = match.clone()
+    for _ in range(len(tree) - 1):
+        accepted = match & accepted[parent]
+    logp = torch.log(token_p.clamp(min=1e-30)).masked_fill(tree.depth_N == 0, 0.0)
+    path_logp = (tree.mask_NN.float() * logp[None]).sum(-1)
+    score = accepted.float() * (tree.depth_N.float() * 1e4 + path_logp - path_logp.min() + 1)
+    best = int(torch.argmax(score))
+    path = torch.nonzero(tree.mask_NN[best]).flatten()
+    return path, torch.multinomial(probs_NV[best], 1, generator=gen).squeeze(-1)
+
+
 def verify(tree: Tree, logits_NV: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None = None):
-    return verify_greedy(tree, logits_NV) if cfg.greedy else verify_sampling(tree, logits_NV, cfg, gen)
+    if cfg.greedy:
+        return verify_greedy(tree, logits_NV)
+    if cfg.acceptance == "typical":
+        return verify_typical(tree, logits_NV, cfg, gen)
+    return verify_sampling(tree, logits_NV, cfg, gen)

@@ -34,6 +34,25 @@ class OnlineSource:
         return [to_sample(record.get) for record in records]
 
 
+class TokenSource:
+    """Token records only (ids, loss mask, teacher positions): for joint training, where the model
+    being trained runs the target itself."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def records(self, indices: list[int]) -> list[dict]:
+        from draftsmith.data.records import teacher_positions
+        out, rows = [], self.dataset[indices]  # a datasets batch: columns of lists
+        for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+            ids, mask = torch.tensor(ids), torch.tensor(mask)
+            out.append({"input_ids": ids, "loss_mask": mask, "teacher_pos": teacher_positions(mask), "teacher": None, "aux": None})
+        return out
+
+
 class OfflineSource:
     """Samples from the capture store. A corrupt sample (checksum mismatch) stops training, or with
     `train.corrupt_samples: skip` is replaced by an empty, fully masked one (no loss, no gradient; every
@@ -72,17 +91,19 @@ def collate(records: list[dict], max_tokens: int) -> dict:
     """Right-pad to the longest sample (cut at max_tokens); teacher hiddens scattered to positions
     (a compact store has none: `FeatureCompleter` rebuilds them on the device)."""
     T = min(max(len(r["input_ids"]) for r in records), max_tokens)
-    B, K = len(records), records[0]["aux"].shape[-1]
+    B, has_aux = len(records), records[0]["aux"] is not None
     stored_teacher = records[0]["teacher"] is not None
-    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, K),
-             "has_teacher": torch.zeros(B, T, dtype=torch.bool)}
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "has_teacher": torch.zeros(B, T, dtype=torch.bool)}
+    if has_aux:
+        batch["aux"] = torch.zeros(B, T, records[0]["aux"].shape[-1])
     if stored_teacher:
         batch["teacher"] = torch.zeros(B, T, records[0]["teacher"].shape[-1])
     for b, r in enumerate(records):
         n = min(len(r["input_ids"]), T)
         batch["input_ids"][b, :n] = r["input_ids"][:n]
-        k = min(r["aux"].shape[0], T)
-        batch["aux"][b, :k] = r["aux"][:k]
+        if has_aux:
+            k = min(r["aux"].shape[0], T)
+            batch["aux"][b, :k] = r["aux"][:k]
         keep = r["teacher_pos"] < T
         pos = r["teacher_pos"][keep]
         if stored_teacher:

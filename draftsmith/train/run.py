@@ -52,6 +52,26 @@ def _init_from(head, path: str, target_config, d2t, t2d):
     return (state["d2t"], state["t2d"]) if "d2t" in state else (d2t, t2d)
 
 
+def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int):
+    """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module."""
+    from draftsmith.target.lora import attach_lora
+    from draftsmith.train.joint import JointModel
+    if recipe.capture.mode != "online":
+        raise ValueError(f"head.lora is set (joint training of head and target): set capture.mode: online "
+                         f"(got {recipe.capture.mode!r}); the target's features change as it trains")
+    model = load_target(recipe, accelerator.device)
+    embed, lm_head = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    head.load_target_weights(embed, lm_head)
+    joint = JointModel(attach_lora(model, recipe.head.lora), head, recipe.head.lora, total_steps)
+    return B.TokenSource(dataset), joint, lm_head
+
+
+def _planned_steps(recipe: Recipe, num_samples: int, world: int) -> int:
+    import math
+    per_epoch = len(B.epoch_order(num_samples, recipe.train.seed, 0, 0, world, recipe.train.batch_size))
+    return max(1, recipe.train.max_steps or math.ceil(recipe.train.epochs * per_epoch / recipe.train.grad_accum))
+
+
 def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     from transformers import AutoConfig
     accelerator = accelerator or make_accelerator(recipe)
@@ -60,8 +80,14 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     text_config = target_config.get_text_config()
     spec = head_spec(recipe.head.kind)
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)
-    source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
     head = spec.model.from_target(target_config, recipe.head, layer_ids)
+    if recipe.head.lora is not None:
+        train_idx, _ = B.split_indices(len(dataset))
+        source, joint, lm_head = _joint(recipe, dataset, head, accelerator,
+                                        _planned_steps(recipe, len(train_idx), accelerator.num_processes))
+        return _assemble(recipe, joint, source, None, lm_head, accelerator, text_config.vocab_size,
+                         {"draft_vocab_size": text_config.vocab_size, "coverage": 1.0})
+    source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)
     draft_vocab = head.config.get("draft_vocab_size") or text_config.vocab_size  # none: the full vocabulary
     d2t, t2d, vocab_report = load_or_build(recipe.run_dir / "cache", data_manifest["inputs_hash"], dataset,
                                            text_config.vocab_size, draft_vocab)
@@ -70,6 +96,13 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
         d2t, t2d = _init_from(head, recipe.head.init_from, target_config, d2t, t2d)
         vocab_report = {**vocab_report, "from": recipe.head.init_from}
     head.load_target_weights(embed, lm_head)
+    return _assemble(recipe, head, source, completer, lm_head, accelerator, d2t, vocab_report, t2d)
+
+
+def _assemble(recipe: Recipe, head, source, completer, lm_head, accelerator, d2t, vocab_report, t2d=None) -> Trainer:
+    import torch
+    if t2d is None:  # the full vocabulary: identity maps
+        d2t, t2d = torch.zeros(d2t, dtype=torch.long), torch.ones(d2t, dtype=torch.bool)
     train_idx, eval_idx = B.split_indices(len(source))
     train_dir(recipe).mkdir(parents=True, exist_ok=True)
     tracker = make_tracker(recipe, train_dir(recipe), accelerator.is_main_process)
@@ -89,9 +122,15 @@ def run_train(recipe: Recipe) -> dict:
     final = trainer.run()
     tensors = trainer.head_tensors()
     manifest = {}
+    write_extra = None
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(unwrapped, "split_state"):  # joint: the head's tensors, and the LoRA adapter in head/lora/
+        from draftsmith.target.lora import save_adapter
+        tensors, adapter = unwrapped.split_state(tensors)
+        write_extra = lambda directory: save_adapter(unwrapped.target, adapter, directory / "lora")  # noqa: E731
     if trainer.accelerator.is_main_process:
         meta = trainer.metadata() | {"vocab": trainer.vocab_report, "final_metrics": final}
-        artifacts.save_checkpoint(head_dir(recipe), tensors, meta)
+        artifacts.save_checkpoint(head_dir(recipe), tensors, meta, write_extra)
         manifest = artifacts.write_manifest(head_dir(recipe), "train", train_inputs_hash(recipe),
                                             target_id=recipe.target.model, steps=trainer.step, tokens=trainer.tokens,
                                             final_metrics=final, vocab=trainer.vocab_report)

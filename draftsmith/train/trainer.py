@@ -41,6 +41,9 @@ def make_accelerator(recipe: Recipe):
     if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # a launch config decides when it says so
         kwargs["mixed_precision"] = "bf16" if torch.cuda.is_available() else "no"
     # the schedule is counted in optimizer steps of this process, whatever the world size
+    if recipe.head.lora is not None:  # joint: the adapters get no gradient in the heads-only stage
+        from accelerate.utils import DistributedDataParallelKwargs
+        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, step_scheduler_with_optimizer=False,
                               cpu=not torch.cuda.is_available(), **kwargs)
     ds = accelerator.state.deepspeed_plugin
@@ -52,13 +55,20 @@ def make_accelerator(recipe: Recipe):
     return accelerator
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float):
-    warmup = max(1, int(total_steps * warmup_ratio))
+def lr_lambda(total_steps: int, warmup_ratio: float, start_step: int = 0):
+    """Linear warmup then cosine decay over [start_step, total_steps); zero before start_step (a
+    param group that joins later, e.g. LoRA adapters after a heads-only stage)."""
+    span = max(1, total_steps - start_step)
+    warmup = max(1, int(span * warmup_ratio))
 
     def factor(step: int) -> float:
+        if step < start_step:
+            return 0.0
+        step -= start_step
+        total_steps_ = span
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total_steps_ - warmup))
         return 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
@@ -78,9 +88,14 @@ class Trainer:
             raise ValueError(f"train.batch_size={self.cfg.batch_size} x {world} processes exceeds the {len(source)} training samples")
         steps = self.cfg.max_steps or math.ceil(self.cfg.epochs * self.batches_per_epoch / self.cfg.grad_accum)
         self.total_steps = max(1, steps)
-        params = [p for p in head.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.total_steps, self.cfg.warmup_ratio))
+        if hasattr(head, "param_groups"):  # a joint model: heads and adapters on their own schedules
+            groups = head.param_groups(self.cfg.lr)
+        else:
+            groups = [{"params": [p for p in head.parameters() if p.requires_grad], "lr": self.cfg.lr, "start_step": 0}]
+        starts = [g.pop("start_step") for g in groups]
+        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lr_lambda(self.total_steps, self.cfg.warmup_ratio, start)
+                                                                  for start in starts])
         self.model, self.optimizer, self.scheduler = accelerator.prepare(head, optimizer, scheduler)
         self.step = self.micro_step = self.tokens = 0
         self.log = MetricsLog(train_dir(recipe) / "metrics.jsonl", accelerator.is_main_process)
@@ -100,6 +115,10 @@ class Trainer:
     def device_batch(self, records: list[dict]) -> dict:
         batch = B.collate(records, self.cfg.max_batch_tokens)
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        if "aux" not in batch:  # token-only records: a joint model runs the target itself
+            batch["loss_valid"] = batch.pop("has_teacher")
+            batch["step"] = self.step
+            return batch
         if self.completer is not None:
             batch = self.completer(batch)
         elif "teacher" not in batch:  # a final-hidden store: the feature at p is the teacher for token p+1

@@ -1,0 +1,56 @@
+"""LoRA adapters on the target (peft), for heads trained jointly with it (Medusa-2; joint MTP):
+attach them for training, save them in peft's own layout, and rebuild the fine-tuned target
+(adapter merged) for validation and export. The original target stays reachable inside a peft
+model with `disable_adapter()`: self-distillation needs no second copy in memory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.recipe import LoraJointConfig
+
+
+def lora_config(cfg: LoraJointConfig):
+    from peft import LoraConfig
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def attach_lora(model, cfg: LoraJointConfig):
+    """The target wrapped with fresh adapters (B = 0: the adapted model starts equal to the target)."""
+    from peft import get_peft_model
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    absent = [m for m in cfg.target_modules if m not in names]
+    if absent or not cfg.target_modules:
+        raise ValueError(f"head.lora.target_modules: {absent or '[]'} name no module of {type(model).__name__}; "
+                         f"linear modules it has: {sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))[:6]}...")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(model, lora_config(cfg))
+
+
+def save_adapter(peft_model, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """peft's layout (adapter_config.json + adapter_model.safetensors) from gathered tensors named
+    as `peft_model.state_dict()` names them."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter = get_peft_model_state_dict(peft_model, state_dict=state)
+    save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, str(directory / "adapter_model.safetensors"))
+    config = peft_model.peft_config["default"]
+    config.base_model_name_or_path = getattr(peft_model.get_base_model().config, "_name_or_path", None)
+    config.save_pretrained(str(directory))
+
+
+def merge_adapter(model, adapter_dir: Path):
+    """`model` (a loaded target) with the adapter at `adapter_dir` merged in: a plain HF model."""
+    from peft import PeftModel
+    if not (Path(adapter_dir) / "adapter_config.json").exists():
+        raise ValueError(f"{adapter_dir}: no LoRA adapter (adapter_config.json) to merge into the target")
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+def merged_target(model_dir: str, adapter_dir: Path, torch_dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return merge_adapter(AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype), adapter_dir)

@@ -81,3 +81,22 @@ def write_jsonl(path: Path, records: list) -> Path:
 def copy_target(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples: int, seed: int) -> tuple[float, bool]:
+    """Speculative sampling's first two tokens against the target's exact joint distribution of them:
+    (total variation distance, whether every sampled pair has nonzero target probability)."""
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.verify import processed_probs
+    with torch.no_grad():
+        p1 = processed_probs(model(prompt[None]).logits[0, -1], cfg)
+        joint = {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = processed_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
+            joint.update({(a, b): (p1[a] * p2[b]).item() for b in torch.nonzero(p2).flatten().tolist()})
+    gen, counts = torch.Generator().manual_seed(seed), {}
+    for _ in range(num_samples):
+        out = tuple(speculative_generate(runner, drafter, prompt, 2, cfg, set(), gen).tokens)
+        counts[out] = counts.get(out, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / num_samples - joint.get(k, 0.0)) for k in set(joint) | set(counts))
+    return tv, set(counts) <= set(joint)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import ROOT, micro_recipe, target_config
+from conftest import ROOT, micro_recipe, target_config, two_token_total_variation
 
 from draftsmith import artifacts
 from draftsmith.heads.drafting import TreeConfig
@@ -206,19 +206,8 @@ def test_sampled_speculative_follows_the_target_on_a_model(tiny_target):
     drafter = MedusaDrafter(_head_for(model, seed=5, heads=3), 256, TreeConfig(3, 3, 8))
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        p1 = processed_probs(model(prompt[None]).logits[0, -1], cfg)
-        joint = {}
-        for a in torch.nonzero(p1).flatten().tolist():
-            p2 = processed_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
-            joint.update({(a, b): (p1[a] * p2[b]).item() for b in torch.nonzero(p2).flatten().tolist()})
-    gen = torch.Generator().manual_seed(1)
-    counts, n = {}, 3000
-    for _ in range(n):
-        out = speculative_generate(runner, drafter, prompt, 2, cfg, set(), gen).tokens
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - joint.get(k, 0.0)) for k in set(joint) | set(counts))
-    assert tv < 0.06 and set(counts) <= set(joint)
+    tv, support_ok = two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples=3000, seed=1)
+    assert support_ok and tv < 0.06
 
 
 def test_typical_acceptance_follows_its_threshold():

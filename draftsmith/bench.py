@@ -145,7 +145,13 @@ def _steps_for(recipe, seconds: float, probe_steps: int = 12) -> tuple[int, floa
     return max(1, int(seconds / per_step / recipe.train.grad_accum)), (trainer.tokens - tokens) / (per_step * probe_steps)
 
 
-def bench_heads(data_recipe, overrides: list[str], seconds: float) -> dict:
+MTP_RUNS = {  # MTP post hoc: DeepSeek's one-step objective and the recursive default, same budget as `heads`
+    "mtp-k1": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=1"]),
+    "mtp-k3": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=3"]),
+}
+
+
+def bench_heads(data_recipe, overrides: list[str], seconds: float, runs: dict = HEAD_RUNS) -> dict:
     """Each head kind trained for the same wall-clock on the demo's data, then validated."""
     import shutil
     from draftsmith import artifacts
@@ -154,7 +160,7 @@ def bench_heads(data_recipe, overrides: list[str], seconds: float) -> dict:
     from draftsmith.runtime.validate import run_validate
     from draftsmith.train.run import run_train
     out = {}
-    for name, (path, extra) in HEAD_RUNS.items():
+    for name, (path, extra) in runs.items():
         base = overrides + extra + [f"name=bench-heads-{name}", "train.save_every=100000", "train.eval_every=100000"]
         recipe = recipe_mod.load(path, base)
         _link_data(recipe, data_recipe)
@@ -173,7 +179,8 @@ def bench_heads(data_recipe, overrides: list[str], seconds: float) -> dict:
                      "train_tokens_per_s": tokens_per_s, "trainable_parameters": trainable,
                      "bytes_per_token": manifest["bytes_per_token"], "tau": val["tau"], "speedup_vs_plain": val["speedup_vs_plain"],
                      "exact": f"{report['num_exact']}/{report['num_prompts']}",
-                     "acceptance_per_depth": report["acceptance_per_depth"], "draft_to_target_cost_c": report["draft_to_target_cost_c"]}
+                     "acceptance_per_depth": report["acceptance_per_depth"], "draft_to_target_cost_c": report["draft_to_target_cost_c"],
+                     "budget_seconds": seconds}
         print(f"[bench] {name}: {out[name]}", flush=True)
     return out
 
@@ -234,14 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     json_path = Path(args.out).with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and sections != set(SECTIONS) else {}
     results.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
-    if sections - {"medusa"}:  # the medusa section runs its own demo recipes
+    if sections - {"medusa", "mtp"}:  # these sections run their own demo recipes
         results["recipe"] = args.recipe
     measure = {"capture": lambda: bench_capture(args.recipe, args.overrides),
                "train": lambda: {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
                "layouts": lambda: bench_layouts(args.recipe, args.overrides, args.layout_steps),
                "runtime": lambda: json.loads((recipe.run_dir / "validate" / "validation.json").read_text()),
                "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds),
-               "medusa": lambda: bench_medusa(args.overrides)}
+               "medusa": lambda: bench_medusa(args.overrides),
+               "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp"]
 
 
 def render(r: dict) -> str:
@@ -300,7 +308,7 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:
@@ -378,6 +386,25 @@ def _render_medusa(r: dict) -> list[str]:
                   f"identical outputs {drift['greedy_output_agreement']:.3f}, mean KL(original || fine-tuned) per token "
                   f"{drift['mean_kl_per_token']:.5f}, held-out perplexity {drift['perplexity_original']:.3f} (original) -> "
                   f"{drift['perplexity_finetuned']:.3f} (fine-tuned), over {drift['num_perplexity_conversations']} conversations."]
+    return lines + [""]
+
+
+def _render_mtp(r: dict) -> list[str]:
+    if "mtp" not in r:
+        return []
+    rows = dict(r["mtp"])
+    if "eagle3-k7" in r.get("heads", {}):
+        rows["eagle3-k7 (heads section)"] = r["heads"]["eagle3-k7"]
+    lines = ["## MTP against EAGLE-3 at equal training wall-clock (issue #13)", "",
+             f"MTP trained post hoc on the frozen demo target (one Llama layer: the target's own; enorm, hnorm, eh_proj; "
+             f"the target's lm_head), {r.get('measured', {}).get('mtp', r['date'])}; each run gets the same training "
+             "wall-clock as the heads section's EAGLE-3 run, then is validated on the same 16 prompts with a chain of 8.", "",
+             "| head | training budget (s) | train steps | training tokens/s | trainable params | tau | speedup vs plain | greedy exact | acceptance per depth |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, h in rows.items():
+        lines.append(f"| {name} | {h.get('budget_seconds', 180):.0f} | {h['train_steps']} | {h['train_tokens_per_s']:.0f} | "
+                     f"{h['trainable_parameters'] / 1e6:.2f}M | {h['tau']:.2f} | {h['speedup_vs_plain']:.2f}x | {h['exact']} | "
+                     f"{_fmt(h['acceptance_per_depth'][:4])} |")
     return lines + [""]
 
 

@@ -117,7 +117,7 @@ class HeadConfig:
     kind: str = "eagle3"
     draft_vocab_size: int = 32000       # eagle3: the draft vocabulary (eagle2 drafts over the full one)
     ttt_steps: int | None = None        # unrolled training-time-test steps; None: the kind's default
-    loss_decay: float = 0.8             # weight decay^i of unrolled step i
+    loss_decay: float | None = None     # weight decay^i of step/head i; None: the kind's default (0.8; mtp: beta 0.6, normalised)
     intermediate_size: int | None = None
     fc_bias: bool | None = None         # eagle2: bias of fc; None: as the target family's published heads
     feature_weight: float = 1.0         # eagle2: SmoothL1 feature regression weight (EAGLE: 1.0)

@@ -181,7 +181,7 @@ def _proposal_tree(q_V: torch.Tensor, tokens: list[int]) -> Tree:
 
 def test_rejection_with_proposals_emits_the_target_distribution():
     """Children drawn from q without replacement, verified by recursive rejection against p: the first
-    emitted token follows p exactly (chi-square over 6 tokens, 40k draws)."""
+    emitted token follows p exactly (chi-square over 6 tokens, 15k draws)."""
     gen = torch.Generator().manual_seed(0)
     p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     q = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 0.5, 0.2, -2.0]), -1)
@@ -189,7 +189,7 @@ def test_rejection_with_proposals_emits_the_target_distribution():
     p = processed_probs(p_logits, cfg)
     counts = torch.zeros(6)
     logits = p_logits.expand(4, 6)
-    for _ in range(40000):
+    for _ in range(15000):
         keys = torch.log(q) - torch.log(-torch.log(torch.rand(6, generator=gen)))
         draws = torch.topk(keys, 3).indices.tolist()
         path, bonus = verify_sampling(_proposal_tree(q, draws), logits, cfg, gen)
@@ -206,8 +206,8 @@ def test_sampled_speculative_follows_the_target_on_a_model(tiny_target):
     drafter = MedusaDrafter(_head_for(model, seed=5, heads=3), 256, TreeConfig(3, 3, 8))
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(11))
-    tv, support_ok = two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples=3000, seed=1)
-    assert support_ok and tv < 0.06
+    tv, support_ok = two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples=1500, seed=1)
+    assert support_ok and tv < 0.08  # E[TV] of 1500 draws over these ~16 outcomes is about 0.04
 
 
 def test_typical_acceptance_follows_its_threshold():

@@ -13,6 +13,7 @@ from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_sampling
+from conftest import two_token_total_variation
 
 GREEDY = SamplingConfig()
 LAYERS = [2, 3, 4]
@@ -181,24 +182,8 @@ def test_sampled_speculative_matches_plain_sampling_on_model(tiny):
     drafter = Eagle3Drafter(head, 256, TreeConfig(3, 4, 10))
     cfg = SamplingConfig(temperature=1.0, top_k=5)
     prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        p1 = processed_probs(model(prompt[None]).logits[0, -1], cfg)
-    support = torch.nonzero(p1).flatten().tolist()
-    joint = {}
-    for a in support:
-        with torch.no_grad():
-            p2 = processed_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
-        for b in torch.nonzero(p2).flatten().tolist():
-            joint[(a, b)] = (p1[a] * p2[b]).item()
-    gen = torch.Generator().manual_seed(0)
-    counts = {}
-    n = 3000
-    for _ in range(n):
-        out = speculative_generate(runner, drafter, prompt, 2, cfg, set(), gen).tokens
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    assert set(counts) <= set(joint)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in joint.items())
-    assert tv < 0.06   # 25 outcomes, 3000 samples: sampling noise alone gives ~0.03
+    tv, support_ok = two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples=2000, seed=0)
+    assert support_ok and tv < 0.07   # 25 outcomes, 2000 samples: sampling noise alone gives ~0.035
 
 
 # ---------------------------------------------------------------- tree invariants

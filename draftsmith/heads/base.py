@@ -21,6 +21,17 @@ class DraftHead(nn.Module):
     def draft_config(self) -> dict:
         return dict(self.config)
 
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Heads drafting over the full target vocabulary (all but EAGLE-3): the map must be the identity."""
+        assert len(d2t) == len(t2d) and not d2t.any(), f"{self.kind} heads use the full target vocabulary"
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        """Copy the target's frozen embedding (and lm_head, for heads that read through it)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+            if lm_head is not None:
+                self.lm_head.weight.copy_(lm_head.to(self.lm_head.weight.dtype))
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint keeps (the frozen target weights left out)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN)}

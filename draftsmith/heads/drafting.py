@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from draftsmith.heads import family
 from draftsmith.heads.tree import Tree, assemble_tree, chain_tree
 
 StepCompiler = Callable[..., Callable]  # (fn, static_buffers=()) -> fn with the same signature
@@ -65,12 +66,10 @@ class TreeDrafter:
 
     def __init__(self, head, max_len: int, tree: TreeConfig, compile_step: StepCompiler = eager):
         self.head, self.tree_cfg, self.max_len = head, tree, max_len
-        cfg = head.config
         p = next(head.parameters())
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        shape = (1, cfg["num_key_value_heads"], max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros_like(self.k)
+        num_kv, k_dim, v_dim = family.kv_cache_dims(head.config)
+        self.k = torch.zeros((1, num_kv, max_len, k_dim), dtype=p.dtype, device=p.device)
+        self.v = torch.zeros((1, num_kv, max_len, v_dim), dtype=p.dtype, device=p.device)
         self.device, self.length = p.device, 0
         self.h_last = self.logits_last = None
         self.step_fn = compile_step(self._step_static, (self.k, self.v))

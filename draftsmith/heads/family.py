@@ -56,3 +56,17 @@ def decoder_layer(config: PretrainedConfig, layer_idx: int = 0) -> nn.Module:
 def rotary_embedding(config: PretrainedConfig) -> nn.Module:
     """The family's rotary embedding: call as rotary(x, position_ids_BT) -> (cos, sin)."""
     return _family_class(config, "RotaryEmbedding")(config=config)
+
+
+def rms_norm(config: PretrainedConfig, size: int) -> nn.Module:
+    """The family's own RMSNorm (e.g. Qwen3-Next's zero-centred one), with the config's epsilon."""
+    return _family_class(config, "RMSNorm")(size, eps=config.rms_norm_eps)
+
+
+def kv_cache_dims(config: dict) -> tuple[int, int, int]:
+    """(KV heads, key dim, value dim) of the family's attention as the delegated `attend` sees it:
+    MLA (DeepSeek-V2/V3) expands to one K/V per query head, keys qk_nope + qk_rope wide."""
+    if config.get("kv_lora_rank"):
+        return (config["num_attention_heads"], config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config.get("num_key_value_heads") or config["num_attention_heads"], head_dim, head_dim

@@ -22,9 +22,10 @@ PACKAGES = {
     "eagle2": "draftsmith.heads.eagle2",
     "eagle3": "draftsmith.heads.eagle3",
     "medusa": "draftsmith.heads.medusa",
+    "mtp": "draftsmith.heads.mtp",
 }
 # kinds whose features the capture stage can already store, but that have no head yet
-CAPTURE_ONLY = {"mtp": FINAL}
+CAPTURE_ONLY: dict[str, FeatureNeeds] = {}
 
 
 @dataclass(frozen=True)

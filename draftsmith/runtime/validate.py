@@ -137,7 +137,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     max_len = max(len(p) for p in heldout) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
     drift = None
-    if draft_head.config.get("draftsmith", {}).get("variant") == "medusa2":  # the head runs on the fine-tuned target
+    if draft_head.config.get("draftsmith", {}).get("joint"):  # trained jointly with the target: it runs on the fine-tuned one
         from draftsmith.runtime.drift import measure_drift
         model, drift = measure_drift(recipe, model, head_path / "lora", prompts, max_len, eos, tokenizer)
     runner = TargetRunner(model, max_len, layer_ids)

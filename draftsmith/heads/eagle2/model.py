@@ -65,22 +65,12 @@ class Eagle2Head(DraftHead):
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle2Head":
         config = draft_config_from_target(target_config, head_cfg.fc_bias, head_cfg.intermediate_size)
-        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, head_cfg.loss_decay, head_cfg.feature_weight, head_cfg.token_weight,
+        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, 0.8 if head_cfg.loss_decay is None else head_cfg.loss_decay, head_cfg.feature_weight, head_cfg.token_weight,
                    head_cfg.input_noise)
 
     @classmethod
     def from_config(cls, config: dict) -> "Eagle2Head":
         return cls(config)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """EAGLE-2 drafts over the full vocabulary: the trainer's map must be the identity."""
-        assert len(d2t) == len(t2d) and not d2t.any(), "EAGLE-2 heads use the full target vocabulary"
-
-    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
-            if lm_head is not None:
-                self.lm_head.weight.copy_(lm_head.to(self.lm_head.weight.dtype))
 
     def step(self, token_ids_BT, h_BTH, position_ids_BT, attend):
         """One draft step: the predicted next feature (also the next step's input)."""

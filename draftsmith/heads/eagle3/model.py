@@ -125,7 +125,7 @@ class Eagle3Head(DraftHead):
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle3Head":
         config = draft_config_from_target(target_config, head_cfg.draft_vocab_size, layer_ids, head_cfg.intermediate_size)
-        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, head_cfg.loss_decay)
+        return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, 0.8 if head_cfg.loss_decay is None else head_cfg.loss_decay)
 
     @classmethod
     def from_config(cls, config: dict) -> "Eagle3Head":

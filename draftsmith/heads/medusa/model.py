@@ -43,7 +43,7 @@ def draft_config_from_target(target_config, head_cfg) -> dict:
             "medusa_num_heads": head_cfg.num_heads, "medusa_num_layers": head_cfg.num_layers,
             "medusa_fc_bias": True, "original_lm_head": head_cfg.shared_lm_head, "hidden_act": "silu",
             "draftsmith": {"kind": "medusa", "layer_ids": [], "feature": "final",
-                           "variant": "medusa2" if head_cfg.lora is not None else "medusa1"}}
+                           "variant": "medusa2" if head_cfg.lora is not None else "medusa1", "joint": head_cfg.lora is not None}}
 
 
 class MedusaHead(DraftHead):
@@ -66,14 +66,11 @@ class MedusaHead(DraftHead):
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "MedusaHead":
-        return cls(draft_config_from_target(target_config, head_cfg), head_cfg.loss_decay, init_from_target=True)
+        return cls(draft_config_from_target(target_config, head_cfg), 0.8 if head_cfg.loss_decay is None else head_cfg.loss_decay, init_from_target=True)
 
     @classmethod
     def from_config(cls, config: dict) -> "MedusaHead":
         return cls(config)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        assert len(d2t) == len(t2d) and not d2t.any(), "Medusa heads use the full target vocabulary"
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._init_lm_heads = False  # trained (or published) lm_heads are kept

@@ -316,3 +316,31 @@ def test_import_of_mimo_and_qwen3_next_names(tmp_path, layout):
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     with torch.no_grad():
         torch.testing.assert_close(loaded.logits(loaded.step(ids, h, pos, sdpa)), head.logits(head.step(ids, h, pos, sdpa)))
+
+
+def test_qwen3_next_layout_on_a_tiny_qwen3_next_target(tmp_path):
+    """Qwen3-Next (built by transformers on CPU): the MTP block is a full-attention MoE layer among linear-
+    attention ones; the full-checkpoint export writes Qwen3-Next's own mtp.* names (published list), with
+    per-expert tensors, and imports back to the same module."""
+    from draftsmith.runtime.export import export_head
+    config = AutoConfig.for_model("qwen3_next", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  max_position_embeddings=256)
+    model = _target(config)
+    head = _head(model, seed=9)
+    block = head.modules_[0].block
+    assert type(block).__name__ == "Qwen3NextDecoderLayer" and hasattr(block, "self_attn") and "Moe" in type(block.mlp).__name__
+    target = _save_target(tmp_path, model)
+    out = tmp_path / "full"
+    export_head(str(_checkpoint(tmp_path, head, target)), "nextn-full", str(out), dtype="fp32", allow_unvalidated=True)
+    names = set(load_file(str(out / "model-mtp.safetensors")))
+    assert {n for n in names if ".experts." not in n} == set(PUBLISHED["qwen3_next"]["mtp_tensors"])
+    assert {n for n in names if ".experts." in n} == {f"mtp.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4)
+                                                      for p in ("gate_proj", "up_proj", "down_proj")}
+    loaded, _ = load_head(out, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    ids, h, pos = torch.randint(0, V, (1, 5)), torch.randn(1, 5, 64), torch.arange(5)[None]
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.logits(loaded.step(ids, h, pos, sdpa)), head.logits(head.step(ids, h, pos, sdpa)))

@@ -19,6 +19,7 @@ from draftsmith.recipe import Recipe
 from draftsmith.heads.drafting import TreeConfig
 from draftsmith.heads.registry import head_spec
 from draftsmith.runtime.compile import step_compiler
+from draftsmith.runtime.economics import low_batch_screen
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.heads.loading import load_head
 from draftsmith.runtime.target import TargetRunner
@@ -214,6 +215,8 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
               "expected_walltime_factor": stats["tau"] / (cfg.depth * c + 1)}
     result["speedup_vs_plain"] = result["spec_tokens_per_s"] / result["plain_tokens_per_s"]
     result["speedup_vs_hf_generate"] = result["spec_tokens_per_s"] / result["hf_generate_tokens_per_s"]
+    # the low-batch screen: Theorem 3.8's prediction next to the measurement, and the break-even c*
+    result["screen"] = low_batch_screen(stats["tau"], cfg.depth, c, result["speedup_vs_plain"], stats["acceptance_per_depth"])
     if cfg.temperature > 0:
         sampled = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         gen = torch.Generator(device=prompts[0].device).manual_seed(recipe.seed)
@@ -257,6 +260,9 @@ def write_report(out_dir: Path, result: dict) -> None:
              f"- speedup: {result['speedup_vs_plain']:.2f}x vs plain (same runtime), {result['speedup_vs_hf_generate']:.2f}x vs HF generate",
              f"- draft/target step cost c = {result['draft_to_target_cost_c']:.3f}; expected walltime factor "
              f"tau/(gamma*c+1) = {result['expected_walltime_factor']:.2f} (gamma = depth)",
+             f"- low-batch screen: i.i.d. alpha {result['screen']['alpha_iid']:.3f}, break-even c* = (tau-1)/gamma = "
+             f"{result['screen']['break_even_c']:.3f} (measured c {result['draft_to_target_cost_c']:.3f}); Theorem 3.8 predicts "
+             f"{result['screen']['predicted_walltime_factor']:.2f}x, measured {result['screen']['measured_walltime_factor']:.2f}x",
              f"- greedy output identical to plain greedy decoding: {result['num_exact']}/{result['num_prompts']} prompts",
              f"- passed: **{result['passed']}**"]
     if result.get("calibration"):

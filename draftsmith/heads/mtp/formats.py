@@ -35,7 +35,8 @@ from draftsmith.heads.hf_layout import EXPORT_MARK, TORCH_DTYPE_NAMES, card, cas
 TITLE = "MTP module"
 REQUIRED = ("modules_.0.eh_proj.weight", "modules_.0.enorm.weight")
 NEXTN_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLMNextN", "glm4_moe": "Glm4MoeForCausalLMNextN"}
-VLLM_METHODS = {"deepseek_v3": "deepseek_mtp", "glm4_moe": "glm4_moe_mtp"}
+VLLM_METHODS = {"deepseek_v3": "deepseek_mtp", "glm4_moe": "glm4_moe_mtp", "qwen3_next": "qwen3_next_mtp"}
+QWEN3_NEXT = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "shared_head_norm": "norm"}
 OWN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
 SPECULATORS = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj", "shared_head_norm": "final_layernorm"}
 
@@ -44,8 +45,9 @@ def _carrier(config: dict):
     """The family's full model on the meta device (no memory): transformers' name conversion needs it."""
     from transformers import AutoConfig, AutoModelForCausalLM
     keys = {k: v for k, v in config.items() if k not in ("draftsmith", "architectures", "model_type")}
-    cfg = AutoConfig.for_model(config["model_type"], **keys)
-    cfg.num_hidden_layers = config["num_hidden_layers"] + config["num_nextn_predict_layers"]
+    from draftsmith.heads.mtp.model import with_mtp_layers
+    cfg = with_mtp_layers(AutoConfig.for_model(config["model_type"], **keys), config["num_hidden_layers"],
+                          config["num_nextn_predict_layers"])
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
 
@@ -87,6 +89,10 @@ def to_nextn_full(tensors: dict, config: dict, dtype: str, target: str = "") -> 
     from draftsmith.target.loading import load_target_embeddings
     embed, lm_head = load_target_embeddings(target)
     named = {}
+    if config["model_type"] == "qwen3_next":  # Qwen3-Next keeps its MTP under mtp.*, sharing embedding and head
+        for k in range(config["num_nextn_predict_layers"]):
+            named |= block_tensors(tensors, config, k, f"mtp.layers.{k}.")
+        return {}, cast(named | _own(tensors, 0, "mtp.", QWEN3_NEXT), dtype)
     for k in range(config["num_nextn_predict_layers"]):
         prefix = f"model.layers.{config['num_hidden_layers'] + k}."
         named |= _own(tensors, k, prefix, OWN) | block_tensors(tensors, config, k, prefix)
@@ -144,6 +150,10 @@ def engines_for(meta: dict) -> list[str]:
     return (["nextn"] if family in NEXTN_ARCHITECTURES else []) + ["nextn-full", "speculators"]
 
 
+def engine_served(family: str) -> bool:
+    return family in VLLM_METHODS
+
+
 def serve_command(engine: str, target: str, out: str, depth: int = 3, family: str = "") -> str:
     if engine == "nextn":
         return (f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE --speculative-draft-model-path {out} "
@@ -159,15 +169,15 @@ def serve_command(engine: str, target: str, out: str, depth: int = 3, family: st
 def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> str:
     config = meta["draft_config"]
     family = config["model_type"]
-    served = family in NEXTN_ARCHITECTURES
+    served = engine_served(family)
     facts = [f"{config['num_nextn_predict_layers']} MTP module(s): enorm, hnorm, eh_proj over [embedding, hidden], one "
              f"{family} decoder layer, shared_head.norm; the target's embedding and lm_head",
              f"variant: {config['draftsmith'].get('variant')}" + (" (the target was fine-tuned with LoRA: serve the "
                                                                   "fine-tuned target)" if config["draftsmith"].get("variant") == "joint" else ""),
-             ("engines: vLLM (`deepseek_mtp` / `glm4_moe_mtp`) and SGLang (EAGLE with a NextN draft) serve MTP for "
-              "DeepSeek-V3 and GLM-4.5 targets" if served else
+             (f"engines: vLLM (`{VLLM_METHODS.get(family)}`) and SGLang (EAGLE with the MTP layer) serve MTP for "
+              f"{family} targets (DeepSeek-V3, GLM-4.5, Qwen3-Next families)" if served else
               f"engines: no engine serves MTP for {family} targets today; this head runs in draftsmith's runtime "
-              "(vLLM and SGLang serve MTP for DeepSeek-V3 and GLM-4.5 families)")]
+              "(vLLM and SGLang serve MTP for DeepSeek-V3, GLM-4.5 and Qwen3-Next families)")]
     return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, family=family), facts)
 
 
@@ -212,7 +222,7 @@ def _layout(raw: dict, target_layers: int) -> tuple[str, dict, bool]:
         return "model.mtp_layers.0.", {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
                                         "shared_head_norm": "final_layernorm"}, True
     if raw.get("model_type") == "qwen3_next":
-        return "mtp.", {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "shared_head_norm": "norm"}, False
+        return "mtp.", QWEN3_NEXT, False
     if any(a.endswith("NextN") for a in raw.get("architectures") or []):
         return "model.layers.0.", OWN, False
     return f"model.layers.{target_layers}.", OWN, False

@@ -41,8 +41,14 @@ def draft_config_from_target(target_config, num_modules: int = 1, variant: str =
 
 def block_config(config: dict):
     """A family config whose layer indices N..N+D-1 exist (MoE vs dense and per-layer types follow the index)."""
-    cfg = family.layer_config(config)
-    cfg.num_hidden_layers = config["num_hidden_layers"] + config["num_nextn_predict_layers"]
+    return with_mtp_layers(family.layer_config(config), config["num_hidden_layers"], config["num_nextn_predict_layers"])
+
+
+def with_mtp_layers(cfg, num_layers: int, num_modules: int):
+    """`cfg` with layers N..N+D-1 added; MTP blocks are full-attention layers (Qwen3-Next's among linear ones)."""
+    cfg.num_hidden_layers = num_layers + num_modules
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:num_layers]) + ["full_attention"] * num_modules
     return cfg
 
 

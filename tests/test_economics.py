@@ -1,0 +1,30 @@
+"""The economics formulas against reference values (issue #14) and the schedule writer on a synthetic sweep."""
+import pytest
+
+from draftsmith.runtime import economics as E
+
+
+def test_theorem_3_8_and_break_even_reference_values():
+    assert E.expected_tokens(0.75, 4) == pytest.approx(3.0508, abs=1e-4)
+    assert E.break_even_cost(E.expected_tokens(0.75, 4), 4) == pytest.approx(0.512695, abs=1e-6)
+    assert E.expected_tokens(1.0, 4) == 5 and E.expected_tokens(0.0, 4) == 1
+    assert E.alpha_from_tau(3.0508, 4) == pytest.approx(0.75, abs=1e-4)
+    assert E.walltime_factor(3.0508, 4, 0.5127) == pytest.approx(1.0, abs=1e-3)   # at c* speculation breaks even
+
+
+def test_cost_reference_values():
+    assert E.usd_per_million_tokens(2.0, 45) == pytest.approx(12.35, abs=0.005)
+    assert E.usd_per_million_tokens(2.0, 45 * 1.8) == pytest.approx(6.86, abs=0.005)
+    assert E.break_even_extra_usd_per_hour(2.0, 1.8) == pytest.approx(1.60)
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        E.usd_per_million_tokens(2.0, 0)
+
+
+def test_schedule_from_a_synthetic_sweep():
+    """Speculation wins at low batch, loses past the crossover: K falls with the batch size, then 0."""
+    sweep = {1: {0: 40, 1: 60, 2: 75, 4: 90}, 2: {0: 80, 1: 115, 2: 140, 4: 150}, 4: {0: 150, 1: 200, 2: 230, 4: 210},
+             8: {0: 300, 1: 360, 2: 340, 4: 290}, 16: {0: 560, 1: 540, 2: 500, 4: 420}, 32: {0: 900, 1: 800, 2: 700, 4: 600}}
+    assert E.schedule(sweep) == [[1, 3, 4], [4, 7, 2], [8, 15, 1], [16, 32, 0]]
+    assert E.schedule({1: {0: 10, 2: 10}}) == [[1, 1, 0]]          # a tie keeps the cheaper K
+    with pytest.raises(ValueError, match="empty sweep"):
+        E.schedule({})

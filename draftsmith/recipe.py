@@ -170,6 +170,7 @@ class ValidateConfig:
     sample_top_k: int = 0
     device: str = "auto"
     min_tau: float | None = None
+    prompts: str | None = None      # a JSONL of conversations or {"prompt": ...} lines, optional "domain"; None: held-out data
     tree_choices: list[list[int]] | None = None  # medusa: a static choice list; None: built from measured accuracies
     num_calibration_prompts: int = 8             # medusa: held-out prompts (after the measured ones) for the tree
     typical_acceptance: bool = False             # medusa: also measure Medusa's lossy typical acceptance (reported, never pass/fail)

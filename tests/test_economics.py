@@ -28,3 +28,33 @@ def test_schedule_from_a_synthetic_sweep():
     assert E.schedule({1: {0: 10, 2: 10}}) == [[1, 1, 0]]          # a tie keeps the cheaper K
     with pytest.raises(ValueError, match="empty sweep"):
         E.schedule({})
+
+
+def test_validate_prompts_file_domains_and_the_screen(tmp_path, micro_pipeline):
+    """`validate.prompts`: conversations and plain prompts with domains; the screen reports tau and alpha per
+    domain and per input-length bucket, Theorem 3.8's prediction and c*; bad files are named."""
+    import json
+    from conftest import micro_recipe
+    from draftsmith.runtime.validate import run_validate
+    lines = [{"prompt": "Write a function that reverses a list.", "domain": "code"},
+             {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "ignored"}], "domain": "code"},
+             {"conversations": [{"from": "human", "value": "Explain what a dict is."}], "domain": "prose"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    recipe = micro_pipeline
+    over = [f"validate.prompts={path}", "validate.num_prompts=3", "validate.max_new_tokens=12"]
+    r = micro_recipe(recipe.out_dir, recipe.target.model, *over)
+    assert run_validate(r, out=str(tmp_path / "v"))["exact_match"]
+    screen = json.loads((tmp_path / "v" / "validation.json").read_text())["screen"]
+    assert set(screen["per_domain"]) == {"code", "prose"} and screen["per_domain"]["code"]["num_prompts"] == 2
+    assert sum(g["num_prompts"] for g in screen["per_input_length"].values()) == 3
+    tau, gamma = screen["tau"], screen["gamma"]
+    assert screen["break_even_c"] == pytest.approx((tau - 1) / gamma)
+    assert screen["predicted_walltime_factor"] == pytest.approx(tau / (gamma * screen["c"] + 1))
+    assert E.expected_tokens(screen["alpha_iid"], gamma) == pytest.approx(max(tau, 1.0), abs=1e-6)  # no rounds: tau 0, alpha 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        run_validate(micro_recipe(recipe.out_dir, recipe.target.model, f"validate.prompts={bad}"), out=str(tmp_path / "w"))
+    with pytest.raises(ValueError, match="validate.prompts=.*no such file"):
+        run_validate(micro_recipe(recipe.out_dir, recipe.target.model, f"validate.prompts={tmp_path / 'nope.jsonl'}"), out=str(tmp_path / "w"))

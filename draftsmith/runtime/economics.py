@@ -19,7 +19,10 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 
 def alpha_from_tau(tau: float, gamma: int, tolerance: float = 1e-10) -> float:
-    """The i.i.d. acceptance rate whose expected_tokens equals a measured tau (bisection; monotone)."""
+    """The i.i.d. acceptance rate whose expected_tokens equals a measured tau (bisection; monotone);
+    0 for tau <= 1 (nothing accepted, or no rounds at all)."""
+    if tau <= 1.0:
+        return 0.0
     if tau >= gamma + 1:
         return 1.0
     low, high = 0.0, 1.0

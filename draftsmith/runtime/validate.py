@@ -44,28 +44,78 @@ def validation_is_current(recipe: Recipe) -> bool:
     return data.get("head_sha256") == _head_sha(head) and data.get("validate_hash") == recipe.section_hash("validate")
 
 
-def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[torch.Tensor]:
-    """Held-out conversations up to their first assistant turn, rendered with the chat template."""
+LENGTH_BUCKETS = (128, 512)  # input-length buckets (tokens) of the low-batch screen
+
+
+def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
+    """A conversation up to its first assistant turn (or a whole user-only one), rendered with the
+    chat template and a generation prompt; None when it has no user turn to prompt with."""
     from draftsmith.data.conversations import render
+    messages = conv["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    messages = messages[:first]
+    if not any(m["role"] == "user" for m in messages):
+        return None
+    if recipe.data.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
+    return tokenizer(render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def prompts_from_file(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
+    """`validate.prompts`: JSONL lines in the data stage's formats ({"messages"}, {"conversations"}) or
+    {"prompt": "..."} (one user turn), each with an optional "domain" (default "default")."""
+    from draftsmith.data.conversations import DataError, normalize
+    path = Path(recipe.validate.prompts)
+    if not path.is_file():
+        raise ValueError(f"validate.prompts={str(path)!r}: no such file (expected a JSONL of conversations or prompts)")
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            conv = {"messages": [{"role": "user", "content": record["prompt"]}]}
+        else:
+            try:
+                conv = normalize(record, where)
+            except DataError as exc:
+                raise ValueError(f"{exc} (or give a 'prompt' string)") from None
+            if "messages" not in conv:
+                raise ValueError(f"{where}: a plain 'text' record has no user turn; give 'prompt' or 'messages'")
+        ids = _prompt_ids(recipe, tokenizer, conv)
+        if ids is None:
+            raise ValueError(f"{where}: no user turn to prompt with")
+        out.append((torch.tensor(ids), str(record.get("domain", "default"))))
+        if len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"validate.prompts={str(path)!r} holds no prompts")
+    return out
+
+
+def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
+    """Held-out conversations up to their first assistant turn, rendered with the chat template
+    (or `validate.prompts` when set)."""
     from draftsmith.data.prepare import load_heldout
+    if recipe.validate.prompts:
+        return prompts_from_file(recipe, tokenizer, limit)
     prompts = []
     for conv in load_heldout(recipe):
-        if "messages" not in conv:
+        if "messages" not in conv or not conv["messages"] or conv["messages"][0]["role"] == "assistant":
             continue
-        first = next((i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"), None)
-        if first is None or first == 0:
-            continue
-        messages = conv["messages"][:first]
-        if recipe.data.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
-        text = render(tokenizer, messages, generation_prompt=True)
-        prompts.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        ids = _prompt_ids(recipe, tokenizer, conv)
+        if ids is not None and any(m["role"] == "assistant" for m in conv["messages"]):
+            prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
         if len(prompts) >= limit:
             break
     if not prompts:
         raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with "
-                         f"(data.heldout_fraction={recipe.data.heldout_fraction}): raise data.heldout_fraction and rerun "
-                         "`draftsmith data`, or give sources with more conversations")
+                         f"(data.heldout_fraction={recipe.data.heldout_fraction}): set validate.prompts to a JSONL of "
+                         "prompts, raise data.heldout_fraction and rerun `draftsmith data`, or give sources with more conversations")
     return prompts
 
 
@@ -133,7 +183,9 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     draft_head = draft_head.to(device=device, dtype=model.dtype)
     _check_target(meta, model, recipe)
     eos = eos_ids(model, tokenizer)
-    heldout = [p.to(device) for p in prompts_from_heldout(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)]
+    chosen = prompts_from_heldout(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
+    heldout = [p.to(device) for p, _ in chosen]
+    domains = [d for _, d in chosen][:cfg.num_prompts]
     prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
     max_len = max(len(p) for p in heldout) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
@@ -148,7 +200,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     if hasattr(drafter, "calibrate") and cfg.tree_choices is None:
         calibration = _calibrate(drafter, runner, calibration_prompts, cfg.max_new_tokens, eos)
         calibration["prompts"] = "separate held-out prompts" if len(heldout) > cfg.num_prompts else "the measured prompts (too few held out)"
-    result = _measure(recipe, model, runner, drafter, prompts, eos)
+    result = _measure(recipe, model, runner, drafter, prompts, eos, domains)
     if calibration:
         result["calibration"] = calibration
     if drift:
@@ -187,14 +239,34 @@ def _calibrate(drafter, runner, prompts, max_new_tokens: int, eos) -> dict:
     return drafter.calibrate(sequences, features_of)
 
 
-def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
+def _grouped(accepts: list[list[int]], keys: list[str], depth: int) -> dict:
+    """tau, alpha per depth and the i.i.d. alpha per group of prompts (a domain, an input-length bucket)."""
+    from draftsmith.runtime.economics import alpha_from_tau
+    out = {}
+    for key in sorted(set(keys)):
+        stats = acceptance_stats([a for acc, k in zip(accepts, keys) if k == key for a in acc], depth)
+        out[key] = {"num_prompts": keys.count(key), "tau": stats["tau"], "alpha_iid": alpha_from_tau(stats["tau"], depth),
+                    "acceptance_per_depth": stats["acceptance_per_depth"]}
+    return out
+
+
+def _length_bucket(length: int) -> str:
+    low = 0
+    for edge in LENGTH_BUCKETS:
+        if length < edge:
+            return f"{low}-{edge - 1}"
+        low = edge
+    return f">={low}"
+
+
+def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list[str] | None = None) -> dict:
     cfg = recipe.validate
     greedy = SamplingConfig()
     plain_generate(runner, prompts[0], 8, greedy, eos)          # warm-up: allocator, kernels
     speculative_generate(runner, drafter, prompts[0], 8, greedy, eos)
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
-    accept, exact, mismatches = [], 0, []
+    accept, exact, mismatches, per_prompt = [], 0, [], []
     for i, prompt in enumerate(prompts):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
@@ -202,6 +274,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
         plain_s, spec_s = plain_s + base.seconds, spec_s + spec.seconds
         plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(base.tokens)
         accept += spec.accept_lengths
+        per_prompt.append(spec.accept_lengths)
         if base.tokens == spec.tokens:
             exact += 1
         else:
@@ -217,6 +290,8 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos) -> dict:
     result["speedup_vs_hf_generate"] = result["spec_tokens_per_s"] / result["hf_generate_tokens_per_s"]
     # the low-batch screen: Theorem 3.8's prediction next to the measurement, and the break-even c*
     result["screen"] = low_batch_screen(stats["tau"], cfg.depth, c, result["speedup_vs_plain"], stats["acceptance_per_depth"])
+    result["screen"]["per_domain"] = _grouped(per_prompt, domains or ["heldout"] * len(prompts), cfg.depth)
+    result["screen"]["per_input_length"] = _grouped(per_prompt, [_length_bucket(len(p)) for p in prompts], cfg.depth)
     if cfg.temperature > 0:
         sampled = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         gen = torch.Generator(device=prompts[0].device).manual_seed(recipe.seed)

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from draftsmith.target.features import FINAL, FeatureNeeds
+from draftsmith.target.features import FeatureNeeds
 
 PACKAGES = {
     "eagle2": "draftsmith.heads.eagle2",
@@ -24,8 +24,6 @@ PACKAGES = {
     "medusa": "draftsmith.heads.medusa",
     "mtp": "draftsmith.heads.mtp",
 }
-# kinds whose features the capture stage can already store, but that have no head yet
-CAPTURE_ONLY: dict[str, FeatureNeeds] = {}
 
 
 @dataclass(frozen=True)
@@ -43,16 +41,13 @@ def known_kinds() -> list[str]:
 
 def head_spec(kind: str) -> HeadSpec:
     if kind not in PACKAGES:
-        if kind in CAPTURE_ONLY:
-            raise ValueError(f"head.kind={kind!r}: its features can be captured, but no {kind} head is trainable in this "
-                             f"version; trainable kinds: {', '.join(known_kinds())}")
         raise ValueError(f"head.kind={kind!r} is not a known head kind; valid kinds: {', '.join(known_kinds())}")
     return importlib.import_module(PACKAGES[kind]).SPEC
 
 
 def capture_needs(kind: str) -> FeatureNeeds:
-    """What the capture stage stores for `kind` (also for kinds that are not trainable yet)."""
-    return CAPTURE_ONLY[kind] if kind in CAPTURE_ONLY else head_spec(kind).features
+    """What the capture stage stores for `kind`."""
+    return head_spec(kind).features
 
 
 def get_head_class(kind: str) -> type:

@@ -56,12 +56,11 @@ def heldout_conversations(recipe: Recipe, tokenizer, device, limit: int = MAX_PE
 
 
 @torch.no_grad()
-def measure_drift(recipe: Recipe, model, adapter_dir: Path, prompts: list[torch.Tensor], max_len: int, eos: set[int],
-                  tokenizer) -> tuple[object, dict]:
+def measure_drift(recipe: Recipe, model, adapter_dir: Path, prompts: list[torch.Tensor], eos: set[int], tokenizer) -> tuple[object, dict]:
     """(the fine-tuned target, adapter merged; the drift report)."""
     from peft import PeftModel
     if not (Path(adapter_dir) / "adapter_config.json").exists():
-        raise ValueError(f"{adapter_dir}: a Medusa-2 head needs its LoRA adapter (adapter_config.json) next to it")
+        raise ValueError(f"{adapter_dir}: a head trained jointly with its target needs its LoRA adapter (adapter_config.json)")
     tuned = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     new_tokens = recipe.validate.max_new_tokens
     same_tokens = total_tokens = same_outputs = 0
@@ -86,5 +85,6 @@ def measure_drift(recipe: Recipe, model, adapter_dir: Path, prompts: list[torch.
               "greedy_output_agreement": same_outputs / max(len(prompts), 1), "mean_kl_per_token": kl_sum / max(kl_count, 1),
               "perplexity_original": ppl_original, "perplexity_finetuned": ppl_tuned,
               "num_perplexity_conversations": len(conversations),
-              "note": "Medusa-2 fine-tunes the target: the served model is the merged fine-tuned target, not the original"}
+              "note": "joint training (Medusa-2, joint MTP) fine-tunes the target: the served model is the merged "
+                      "fine-tuned target, not the original"}
     return tuned.merge_and_unload(), report

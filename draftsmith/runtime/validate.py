@@ -97,7 +97,7 @@ def prompts_from_file(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch
     return out
 
 
-def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
+def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
     """Held-out conversations up to their first assistant turn, rendered with the chat template
     (or `validate.prompts` when set)."""
     from draftsmith.data.prepare import load_heldout
@@ -105,10 +105,10 @@ def prompts_from_heldout(recipe: Recipe, tokenizer, limit: int) -> list[tuple[to
         return prompts_from_file(recipe, tokenizer, limit)
     prompts = []
     for conv in load_heldout(recipe):
-        if "messages" not in conv or not conv["messages"] or conv["messages"][0]["role"] == "assistant":
-            continue
+        if not any(m["role"] == "assistant" for m in conv.get("messages", [])):
+            continue  # a held-out prompt is a conversation's turns before its first answer
         ids = _prompt_ids(recipe, tokenizer, conv)
-        if ids is not None and any(m["role"] == "assistant" for m in conv["messages"]):
+        if ids is not None:
             prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
         if len(prompts) >= limit:
             break
@@ -183,7 +183,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     draft_head = draft_head.to(device=device, dtype=model.dtype)
     _check_target(meta, model, recipe)
     eos = eos_ids(model, tokenizer)
-    chosen = prompts_from_heldout(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
+    chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
     heldout = [p.to(device) for p, _ in chosen]
     domains = [d for _, d in chosen][:cfg.num_prompts]
     prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
@@ -192,7 +192,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     drift = None
     if draft_head.config.get("draftsmith", {}).get("joint"):  # trained jointly with the target: it runs on the fine-tuned one
         from draftsmith.runtime.drift import measure_drift
-        model, drift = measure_drift(recipe, model, head_path / "lora", prompts, max_len, eos, tokenizer)
+        model, drift = measure_drift(recipe, model, head_path / "lora", prompts, eos, tokenizer)
     runner = TargetRunner(model, max_len, layer_ids)
     drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices),
                                                  step_compiler("auto", device))

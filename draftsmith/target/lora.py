@@ -51,6 +51,9 @@ def merge_adapter(model, adapter_dir: Path):
     return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
-def merged_target(model_dir: str, adapter_dir: Path, torch_dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-    return merge_adapter(AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype), adapter_dir)
+def save_merged_target(model_dir: str, adapter_dir: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The fine-tuned target (adapter merged in fp32, then cast) as a plain Hugging Face model + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = merge_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
+    model.to(dtype=dtype).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)

@@ -73,7 +73,7 @@ class JointModel(nn.Module):
         adapter = {k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")}
         return head, adapter
 
-    def _features(self, ids_BT, adapters: bool):
+    def _features(self, ids_BT):
         out = self.target(input_ids=ids_BT, output_hidden_states=True)
         return out.hidden_states[-1], out.logits.float()
 
@@ -84,7 +84,7 @@ class JointModel(nn.Module):
         ids, valid = batch["input_ids"], batch["loss_valid"]
         step = int(batch.get("step", 0))
         with torch.no_grad(), self.target.disable_adapter():
-            teacher_features, teacher_logits = self._features(ids, adapters=False)
+            teacher_features, teacher_logits = self._features(ids)
         teacher_logp = torch.log_softmax(teacher_logits, dim=-1)
         probs = teacher_logp.exp()
         head_batch = {"input_ids": ids, "position_ids": batch["position_ids"], "target_probs": probs,
@@ -93,7 +93,7 @@ class JointModel(nn.Module):
             head_loss, metrics = self.head.loss({**head_batch, "aux": teacher_features.detach()})
             metrics["stage"] = torch.tensor(1.0)
             return head_loss, metrics
-        features, logits = self._features(ids, adapters=True)
+        features, logits = self._features(ids)
         count = valid.sum().clamp(min=1)
         kl = ((probs * (teacher_logp - torch.log_softmax(logits, dim=-1))).sum(-1) * valid).sum() / count
         head_loss, metrics = self.head.loss({**head_batch, "aux": features})

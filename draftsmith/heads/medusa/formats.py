@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, read_weights
+from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, read_weights
 
 TITLE = "Medusa heads"
 REQUIRED = ("blocks.0.layers.0.weight",)
@@ -86,13 +86,9 @@ def to_merged_target(tensors: dict, config: dict, dtype: str, target: str = "") 
 
 def write_merged_target(out: Path, tensors: dict, meta: dict, head: Path) -> None:
     """The target with the adapter merged in, saved as a plain Hugging Face model (+ tokenizer)."""
-    from transformers import AutoTokenizer
-    from draftsmith.target.lora import merged_target
+    from draftsmith.target.lora import save_merged_target
     _require_adapter(meta["draft_config"], head)
-    model = merged_target(meta["target_id"], head / ADAPTER_DIR, torch_dtype=torch.float32)
-    model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[meta.get("export_dtype", "bf16")])
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(meta["target_id"]).save_pretrained(out)
+    save_merged_target(meta["target_id"], head / ADAPTER_DIR, out, DTYPES[meta.get("export_dtype", "bf16")])
 
 
 def to_lora(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
@@ -215,10 +211,8 @@ def import_layout(path, raw: dict, target_config) -> tuple[dict, dict, dict]:
         tensors.update({f"blocks.{h}.layers.{l}.bias": torch.zeros(H) for h in heads for l in range(num_layers)})
     config = {"model_type": "medusa", "hidden_size": H, "vocab_size": text.vocab_size, "medusa_num_heads": len(heads),
               "medusa_num_layers": num_layers, "medusa_fc_bias": True, "original_lm_head": shared, "hidden_act": "silu",
-              "draftsmith": {"kind": "medusa", "layer_ids": [], "feature": "final",
-                             "variant": (raw.get(EXPORT_MARK) or {}).get("variant") or "medusa1"}}
-    if config["draftsmith"]["variant"] == "medusa2":
-        config["draftsmith"]["variant"] = "medusa1"  # an imported head runs on the target it is given
+              # an imported head runs on the target it is given (a Medusa-2 export's adapter is not in it)
+              "draftsmith": {"kind": "medusa", "layer_ids": [], "feature": "final", "variant": "medusa1"}}
     meta = {"kind": "medusa", "layer_ids": [], "draft_config": config, "target_id": raw.get("base_model_name_or_path"),
             "source_format": (raw.get(EXPORT_MARK) or {}).get("engine") or ("vllm" if raw.get("model_type") == "medusa" else "fasterdecoding")}
     return config, tensors, meta

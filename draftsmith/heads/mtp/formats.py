@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast
+from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast
 
 TITLE = "MTP module"
 REQUIRED = ("modules_.0.eh_proj.weight", "modules_.0.enorm.weight")
@@ -107,10 +107,8 @@ def write_nextn_full(out: Path, tensors: dict, meta: dict, head: Path) -> None:
     if not (target / "config.json").exists():
         raise ValueError(f"--to nextn-full needs the target as a local directory; {meta['target_id']!r} is not one")
     if meta["draft_config"]["draftsmith"].get("joint"):  # the module belongs to the fine-tuned target
-        from transformers import AutoTokenizer
-        from draftsmith.target.lora import merged_target
-        merged_target(str(target), head / "lora").save_pretrained(out)
-        AutoTokenizer.from_pretrained(str(target)).save_pretrained(out)
+        from draftsmith.target.lora import save_merged_target
+        save_merged_target(str(target), head / "lora", out, DTYPES[meta.get("export_dtype", "bf16")])
     else:
         for file in target.iterdir():
             if file.is_file() and file.name != "manifest.json":

@@ -213,6 +213,15 @@ def bench_medusa(overrides: list[str]) -> dict:
     return out
 
 
+def bench_economics(recipe) -> dict:
+    """`draftsmith economics` on the demo recipe (its `economics` section: the EAGLE-3 head, the n-gram and
+    draft-model baselines, batch sizes 1..64); an economics.json current for these weights and settings is reused."""
+    from draftsmith.runtime.sweep import economics_dir, economics_is_current, run_economics
+    if not economics_is_current(recipe):
+        run_economics(recipe)
+    return json.loads((economics_dir(recipe) / "economics.json").read_text())
+
+
 def _link_data(recipe, source_recipe) -> None:
     """A fresh copy of the demo's data stage (same inputs hash) in a scratch run directory."""
     import shutil
@@ -249,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                "runtime": lambda: json.loads((recipe.run_dir / "validate" / "validation.json").read_text()),
                "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds),
                "medusa": lambda: bench_medusa(args.overrides),
-               "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS)}
+               "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS),
+               "economics": lambda: bench_economics(recipe)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics"]
 
 
 def render(r: dict) -> str:
@@ -308,7 +318,7 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _render_economics(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:
@@ -406,6 +416,43 @@ def _render_mtp(r: dict) -> list[str]:
                      f"{h['trainable_parameters'] / 1e6:.2f}M | {h['tau']:.2f} | {h['speedup_vs_plain']:.2f}x | {h['exact']} | "
                      f"{_fmt(h['acceptance_per_depth'][:4])} |")
     return lines + [""]
+
+
+def _render_economics(r: dict) -> list[str]:
+    e = r.get("economics")
+    if not e:
+        return []
+    names = list(e["drafters"])
+    lines = ["## Economics across load (issue #14)", "",
+             f"`draftsmith economics` on the demo recipe, {e['date']}, {e['machine']} ({e['dtype']}): the EAGLE-3 head next to "
+             f"prompt-lookup n-gram and a 2-layer draft model built by the target stage; {e['num_prompts']} held-out prompts, "
+             f"{e['max_new_tokens']} new tokens per row, greedy, K = speculative tokens per row (one chain), "
+             f"${e['gpu_hour_usd']}/h as the price in the cost columns (an illustration: this CPU has no GPU-hour price).", "",
+             "| drafter | c | best K at B=1 | tau | speedup B=1 predicted / measured | c* | crossover batch size | vLLM schedule | exact rows |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, d in e["drafters"].items():
+        low = d["low_batch"]
+        lines.append(f"| {name} | {d['c']:.3f} | {low['k']} | {low['tau']:.2f} | {low['predicted_walltime_factor']:.2f}x / "
+                     f"{low['measured_walltime_factor']:.2f}x | {low['break_even_c']:.3f} | {d['crossover_batch_size'] or 'none'} | "
+                     f"`{json.dumps(d['schedule'])}` | {d['exact_rows']}/{d['rows']} |")
+    lines += ["", "Output tokens/s at the best K per batch size (K; TPOT ms / TTFT ms), and $/1M output tokens:", "",
+              "| batch | plain | " + " | ".join(names) + " | $/Mtok plain | " + " | ".join(f"$/Mtok {n}" for n in names) + " |",
+              "|---" * (3 + 2 * len(names)) + "|"]
+    for b in e["batch_sizes"]:
+        p = e["plain"][str(b)]
+        row = [str(b), f"{p['tokens_per_s']:.0f} ({p['tpot_ms']:.1f} / {p['ttft_ms']:.0f})"]
+        for d in e["drafters"].values():
+            k = d["best_k"][str(b)]
+            c = d["cells"][str(b)].get(str(k)) if k else None
+            row.append(f"{c['tokens_per_s']:.0f} (K={k}; {c['tpot_ms']:.1f} / {c['ttft_ms']:.0f})" if c else "K=0: plain")
+        cost = [d.get("cost", {}).get(str(b)) for d in e["drafters"].values()]
+        row.append(f"{cost[0]['plain_usd_per_mtok']:.2f}" if cost and cost[0] else "-")
+        row += [f"{c['spec_usd_per_mtok']:.2f} (M {c['multiplier']:.2f})" if c else "-" for c in cost]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Drafting runs row by row (each drafter instance is batch 1) while verification is one batched forward, so "
+              "on this 2-core CPU the draft cost grows with the batch and the crossover comes early; the schedule above is "
+              "what this machine measured, and `make gpu-check` runs the same sweep briefly on a GPU.", ""]
+    return lines
 
 
 def _shortfalls(r: dict) -> list[str]:

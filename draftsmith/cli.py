@@ -17,6 +17,8 @@ STAGES = {
     "train": "train the head with the one trainer (resumes from the last complete checkpoint)",
     "validate": "run tree-verified speculative decoding with the head: tau, acceptance per depth, exactness, speedup",
     "export": "write the validated head in an engine's format (--to sglang|vllm|speculators)",
+    "economics": "sweep batch sizes and K with batched speculative decoding, the head next to n-gram and draft-model "
+                 "baselines: tokens/s, TPOT, TTFT, crossover, vLLM/SGLang schedule, $/1M tokens (--gpu-hour-usd)",
     "run": "every stage in order, skipping those whose manifest matches the recipe",
 }
 
@@ -37,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--head", help="a checkpoint or exported directory (default: <run>/head)")
             p.add_argument("--target", help="target model directory or hub id (default: the recipe's)")
             p.add_argument("--out", help="output directory (default: <run>/validate)")
+        if name == "economics":
+            p.add_argument("--head", help="a checkpoint or exported directory (default: <run>/head)")
+            p.add_argument("--out", help="output directory (default: <run>/economics)")
+            p.add_argument("--gpu-hour-usd", type=float, help="price of the serving hardware per hour (default: economics.gpu_hour_usd)")
+            p.add_argument("--extra-usd-per-hour", type=float, help="extra $/h a drafter's hardware costs (default: economics.extra_usd_per_hour)")
         if name == "export":
             p.add_argument("--head", help="checkpoint directory (default: <run>/head)")
             p.add_argument("--to", dest="engine", help="engine format (eagle3: sglang, vllm, speculators)")

@@ -185,6 +185,41 @@ class ExportConfig:
 
 
 @dataclass
+class EmbeddedDraftConfig:
+    """A small causal LM that `draftsmith target` trains next to the embedded target, on its corpus
+    and with its tokenizer: the demo's draft-model baseline (economics.draft_model)."""
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    seq_len: int = 128
+    batch_size: int = 16
+    lr: float = 6e-3
+    max_steps: int | None = 400
+    train_seconds: float = 900.0
+    seed: int = 0
+
+
+@dataclass
+class EconomicsConfig:
+    """`draftsmith economics`: batched decoding swept over batch size and K (speculative tokens per
+    row, drafted as one chain), the head next to the baselines, and the cost of each."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    num_speculative_tokens: list[int] | None = None  # the K values; None: 0 to validate.depth
+    num_prompts: int = 16          # distinct prompts (validate.prompts or held-out), repeated to fill a batch
+    max_new_tokens: int = 64
+    gpu_hour_usd: float | None = None      # price of the serving hardware; None: no cost table (or --gpu-hour-usd)
+    extra_usd_per_hour: float = 0.0        # extra hardware a drafter needs (applied to every speculative setting)
+    memory_fraction: float = 0.8           # batch sizes whose KV cache would exceed this share of free memory are skipped
+    baselines: list[str] = field(default_factory=lambda: ["ngram", "draft-model"])
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_model: str | None = None         # a small HF causal LM sharing the target's tokenizer
+    draft_model_embedded: EmbeddedDraftConfig | None = None  # the demo: `draftsmith target` builds it at draft_model
+
+
+@dataclass
 class Recipe:
     """Everything about *what* to train. How to launch lives in recipes/launch/."""
     name: str = ""
@@ -197,6 +232,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
     source_path: str = ""
 
     @property
@@ -227,6 +263,7 @@ CHOICES = {
     "train.corrupt_samples": {"fail", "skip"},
     "head.lora.heads_ramp": {"constant", "linear", "sine"},
     "export.dtype": {"bf16", "fp16", "fp32"},
+    "economics.baselines": {"ngram", "draft-model"},
 }
 
 
@@ -335,6 +372,14 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
         raise RecipeError(f"{source}: key 'name' is required (it names the run directory)")
     if not recipe.target.model and recipe.target.embedded is None:
         raise RecipeError(f"{source}: set target.model (a model directory or hub id) or target.embedded")
+    econ = recipe.economics
+    if econ.draft_model_embedded is not None and (recipe.target.embedded is None or not econ.draft_model):
+        raise RecipeError(f"{source}: economics.draft_model_embedded needs target.embedded (it shares the embedded "
+                          "target's tokenizer and corpus) and economics.draft_model (where to build it)")
+    if not econ.batch_sizes or min(econ.batch_sizes) < 1:
+        raise RecipeError(f"{source}: economics.batch_sizes={econ.batch_sizes}: expected batch sizes >= 1")
+    if econ.num_speculative_tokens is not None and (not econ.num_speculative_tokens or min(econ.num_speculative_tokens) < 0):
+        raise RecipeError(f"{source}: economics.num_speculative_tokens={econ.num_speculative_tokens}: expected K values >= 0")
     recipe.source_path = source
     return recipe
 

@@ -13,14 +13,17 @@ ORDER = ["target", "data", "capture", "train", "validate", "export"]
 
 
 def stage_target(recipe: Recipe, args=None):
-    from draftsmith.target.embedded import build_embedded_target
+    from draftsmith.target import embedded
     from draftsmith.target.loading import check_model_path
     if recipe.target.embedded is None:
         from transformers import AutoConfig
         check_model_path(recipe.target.model)
         config = AutoConfig.from_pretrained(recipe.target.model)
         return {"target": recipe.target.model, "architectures": config.architectures}
-    return build_embedded_target(recipe, recipe.target.model, recipe.data.heldout_fraction)
+    result = embedded.build_embedded_target(recipe, recipe.target.model, recipe.data.heldout_fraction)
+    if recipe.economics.draft_model_embedded is not None and args is not None:  # `draftsmith target`, not `run`
+        result["draft_model"] = embedded.ensure_draft_model(recipe)
+    return result
 
 
 def stage_data(recipe: Recipe, args=None):
@@ -76,8 +79,14 @@ def stage_export(recipe: Recipe | None, args=None):
     return written
 
 
+def stage_economics(recipe: Recipe, args=None):
+    from draftsmith.runtime.sweep import run_economics
+    return run_economics(recipe, head=getattr(args, "head", None), gpu_hour_usd=getattr(args, "gpu_hour_usd", None),
+                         extra_usd_per_hour=getattr(args, "extra_usd_per_hour", None), out=getattr(args, "out", None))
+
+
 STAGE_FUNCS = {"target": stage_target, "data": stage_data, "capture": stage_capture, "train": stage_train,
-               "validate": stage_validate, "export": stage_export}
+               "validate": stage_validate, "export": stage_export, "economics": stage_economics}
 
 
 def is_current(stage: str, recipe: Recipe) -> bool:

@@ -18,16 +18,16 @@ from draftsmith.runtime.verify import SamplingConfig
 from draftsmith.target.features import FeatureExtractor
 
 
-def build(dtype):
+def build(dtype, device="cuda"):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).to("cuda", dtype).eval()
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
     ids = [2, 6, 9]
-    head = Eagle3Head(draft_config_from_target(config, 8000, ids)).to("cuda", dtype).eval()
-    t2d = torch.zeros(32000, dtype=torch.bool, device="cuda")
+    head = Eagle3Head(draft_config_from_target(config, 8000, ids)).to(device, dtype).eval()
+    t2d = torch.zeros(32000, dtype=torch.bool, device=device)
     t2d[:8000] = True
-    head.set_vocab(torch.zeros(8000, dtype=torch.long, device="cuda"), t2d)
+    head.set_vocab(torch.zeros(8000, dtype=torch.long, device=device), t2d)
     head.load_target_embedding(model.get_input_embeddings().weight)
     return model, head, ids
 
@@ -47,6 +47,32 @@ def check_eagle2() -> dict:
         same += plain_generate(runner, prompt, 96, SamplingConfig(), set()).tokens == \
             speculative_generate(runner, drafter, prompt, 96, SamplingConfig(), set()).tokens
     return {"identical": same == 4, "identical_prompts": f"{same}/4"}
+
+
+def check_sweep(device: str = "cuda", batch_sizes=(1, 8, 32), ks=(2, 4)) -> dict:
+    """The economics sweep, briefly (`draftsmith economics` on a random target: acceptance is near zero,
+    so this checks batched exactness per row and measures how plain and verify forwards scale with load)."""
+    from draftsmith.runtime import economics as econ
+    from draftsmith.runtime.baselines import NgramDrafter, chain_config
+    from draftsmith.runtime.sweep import Sweep, summarize
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, head, ids = build(dtype, device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(device) for n in (16, 40, 64, 100, 23, 77, 9, 50)]
+    factories = {"eagle3": lambda k: Eagle3Drafter(head, 512, chain_config(k)), "ngram": lambda k: NgramDrafter(k)}
+    sweep = Sweep(model, ids, prompts, ["random"] * len(prompts), set(), 32, 512, torch.device(device))
+    grid = {b: sweep.run_batch(b, factories, {name: list(ks) for name in factories}) for b in batch_sizes}
+    plain = {b: grid[b]["plain"] for b in grid}
+    out = {"plain_tokens_per_s": {b: round(plain[b]["tokens_per_s"]) for b in grid}}
+    for name in factories:
+        cells = {b: grid[b][name] for b in grid}
+        summary = summarize(name, cells, plain, 0.1, 2.0, 0.0)
+        out[name] = {"schedule": summary["schedule"], "exact_rows": f"{summary['exact_rows']}/{summary['rows']}",
+                     "tokens_per_s": {b: {k: round(c["tokens_per_s"]) for k, c in cells[b].items()} for b in cells}}
+        if summary["exact_rows"] != summary["rows"] and dtype == torch.float32:
+            out["error"] = f"batched {name} rows differ from plain batched decoding"
+    out["schedule_check"] = econ.schedule({b: {0: 1.0} for b in grid}) == [[min(grid), max(grid), 0]]
+    return out
 
 
 def main() -> int:
@@ -71,6 +97,9 @@ def main() -> int:
     out["eagle2_fp32"] = check_eagle2()
     if not out["eagle2_fp32"]["identical"]:
         out["error"] = "fp32 greedy EAGLE-2 speculative output differs from plain greedy on CUDA"
+    out["economics_sweep"] = check_sweep()
+    if "error" in out["economics_sweep"]:
+        out["error"] = out["economics_sweep"]["error"]
     model, head, ids = build(torch.float32)
     head.train()
     extractor = FeatureExtractor(model, ids)

@@ -34,7 +34,9 @@ def test_validate_prompts_file_domains_and_the_screen(tmp_path, micro_pipeline):
     """`validate.prompts`: conversations and plain prompts with domains; the screen reports tau and alpha per
     domain and per input-length bucket, Theorem 3.8's prediction and c*; bad files are named."""
     import json
+
     from conftest import micro_recipe
+
     from draftsmith.runtime.validate import run_validate
     lines = [{"prompt": "Write a function that reverses a list.", "domain": "code"},
              {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "ignored"}], "domain": "code"},
@@ -58,3 +60,131 @@ def test_validate_prompts_file_domains_and_the_screen(tmp_path, micro_pipeline):
         run_validate(micro_recipe(recipe.out_dir, recipe.target.model, f"validate.prompts={bad}"), out=str(tmp_path / "w"))
     with pytest.raises(ValueError, match="validate.prompts=.*no such file"):
         run_validate(micro_recipe(recipe.out_dir, recipe.target.model, f"validate.prompts={tmp_path / 'nope.jsonl'}"), out=str(tmp_path / "w"))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A random tiny Llama target and a smaller one with the same vocabulary (the draft model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, max_position_embeddings=512, eos_token_id=None)
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+                                          num_key_value_heads=2, **shape)).eval()
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, **shape)).eval()
+    return target, small
+
+
+def test_batched_decoding_is_exact_per_row(tiny_pair):
+    """B up to 8 rows with mixed prompt lengths, per-row EOS, padded trees (chains of K, dynamic trees,
+    n-gram and draft-model drafts of differing sizes): every row equals plain greedy decoding alone."""
+    import torch
+
+    from draftsmith.heads.drafting import TreeConfig
+    from draftsmith.heads.eagle3.draft import Eagle3Drafter
+    from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
+    from draftsmith.runtime.baselines import (
+        DraftModelDrafter,
+        NgramDrafter,
+        chain_config,
+    )
+    from draftsmith.runtime.batched import BatchRunner, batched_generate
+    from draftsmith.runtime.generate import plain_generate
+    from draftsmith.runtime.target import TargetRunner
+    from draftsmith.runtime.verify import SamplingConfig
+    target, small = tiny_pair
+    layers = [1, 2, 3]
+    head = Eagle3Head(draft_config_from_target(target.config, 64, layers)).eval()
+    head.set_vocab(torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool))
+    head.load_target_embedding(target.get_input_embeddings().weight)
+    gen = torch.Generator().manual_seed(1)
+    # repetitive prompts so that prompt lookup finds matches of differing lengths
+    prompts = [torch.randint(0, 64, (n,), generator=gen).repeat(r)[: n * r] for n, r in
+               [(3, 1), (7, 3), (20, 1), (4, 5), (11, 2), (2, 9), (30, 1), (6, 4)]]
+    single = TargetRunner(target, 200, layers)
+    greedy = SamplingConfig()
+    probe = plain_generate(single, prompts[0], 24, greedy, set()).tokens
+    eos = {probe[9]}                           # some rows stop early, at different rounds
+    expected = [plain_generate(single, p, 24, greedy, eos).tokens for p in prompts]
+    makers = {"chain": lambda: Eagle3Drafter(head, 200, chain_config(3)),
+              "tree": lambda: Eagle3Drafter(head, 200, TreeConfig(3, 2, 6)),
+              "ngram": lambda: NgramDrafter(4, 3, 1),
+              "draft-model": lambda: DraftModelDrafter(small, 200, 3)}
+    for size in (1, 3, 8):
+        runner = BatchRunner(target, size, 200, layers)
+        rows = prompts[:size]
+        plain = batched_generate(runner, rows, 24, greedy, eos)
+        assert plain.tokens == expected[:size]
+        for name, make in makers.items():
+            result = batched_generate(runner, rows, 24, greedy, eos, [make() for _ in rows])
+            assert result.tokens == expected[:size], (name, size)
+            assert result.ttft_seconds <= min(result.finish_seconds) and result.tokens_per_s > 0
+    assert any(len(t) < 24 for t in expected) and any(len(t) == 24 for t in expected)   # EOS did split the rows
+
+
+def test_ngram_prompt_lookup():
+    import torch
+
+    from draftsmith.runtime.baselines import NgramDrafter
+    drafter = NgramDrafter(3, max_ngram=3, min_ngram=1)
+    drafter.begin(torch.tensor([5, 1, 2]))
+    drafter.extend(torch.tensor([1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 1, 2, 3]))   # context 5 [1 2 3 4 9] [1 2 3 7 8] 1 2 3
+    assert drafter.lookup() == [7, 8, 1]           # the most recent earlier occurrence of the suffix 1 2 3
+    tree = drafter.draft_tree(torch.tensor(3))
+    assert tree.tokens_N.tolist() == [3, 7, 8, 1] and tree.parent_N.tolist() == [-1, 0, 1, 2]
+    drafter.extend(torch.tensor([42]))             # nothing ended in 42 before
+    assert drafter.lookup() == [] and len(drafter.draft_tree(torch.tensor(42))) == 1
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramDrafter(2, max_ngram=1, min_ngram=2)
+
+
+def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline):
+    """`draftsmith economics` on the micro pipeline: every figure of economics.json recomputes from its
+    cells; the schedule is the writer's on the measured grid; the export's model card serves the best K."""
+    import json
+
+    from conftest import micro_recipe
+
+    from draftsmith.runtime.export import export_head
+    from draftsmith.runtime.sweep import run_economics
+    recipe = micro_pipeline
+    over = ["economics.batch_sizes=[1,2,64]", "economics.num_speculative_tokens=[1,2]", "economics.max_new_tokens=8",
+            "economics.num_prompts=3", f"economics.draft_model={tmp_path / 'draft'}", "economics.draft_model_embedded.hidden_size=32",
+            "economics.draft_model_embedded.num_hidden_layers=1", "economics.draft_model_embedded.max_steps=5"]
+    r = micro_recipe(recipe.out_dir, recipe.target.model, *over)
+    out = run_economics(r, gpu_hour_usd=2.0, extra_usd_per_hour=0.5, out=str(tmp_path / "econ"))
+    data = json.loads((tmp_path / "econ" / "economics.json").read_text())
+    assert (tmp_path / "draft" / "manifest.json").exists()          # the embedded draft model was built on first use
+    assert data["batch_sizes"] == [1, 2, 64] and set(data["drafters"]) == {"eagle3", "ngram", "draft-model"}
+    for name, d in data["drafters"].items():
+        assert d["exact_rows"] == d["rows"] > 0, name
+        grid = {int(b): {0: data["plain"][b]["tokens_per_s"]} | {int(k): c["tokens_per_s"] for k, c in cells.items()}
+                for b, cells in d["cells"].items()}
+        assert d["schedule"] == E.schedule(grid) == d["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"]
+        for b, cost in d["cost"].items():
+            plain = data["plain"][b]["tokens_per_s"]
+            spec = grid[int(b)][cost["k"]]
+            assert cost["plain_usd_per_mtok"] == pytest.approx(2.0 * 1e6 / (plain * 3600))
+            assert cost["spec_usd_per_mtok"] == pytest.approx(2.5 * 1e6 / (spec * 3600))
+            assert cost["break_even_extra_usd_per_hour"] == pytest.approx(2.0 * (spec / plain - 1))
+        low = d["low_batch"]
+        cell = d["cells"]["1"][str(low["k"])]
+        assert low["tau"] == cell["tau"] and low["predicted_walltime_factor"] == pytest.approx(low["tau"] / (low["k"] * d["c"] + 1))
+        assert low["measured_walltime_factor"] == pytest.approx(cell["tokens_per_s"] / data["plain"]["1"]["tokens_per_s"])
+    assert out["schedule"] == data["drafters"]["eagle3"]["schedule"]
+    assert (tmp_path / "econ" / "throughput.png").exists() and "Drafters side by side" in (tmp_path / "econ" / "economics.md").read_text()
+    # the model card of an export next to this economics report serves the measured K and carries the schedule
+    head = recipe.run_dir / "head"
+    placed = recipe.run_dir / "economics" / "economics.json"
+    placed.parent.mkdir(exist_ok=True)
+    placed.write_text(json.dumps(data))
+    try:
+        card = export_head(str(head), "sglang", str(tmp_path / "sg"), allow_unvalidated=True)["out"]
+    finally:
+        placed.unlink()  # the micro pipeline is shared: other exports keep the kind's default K
+    text = (tmp_path / "sg" / "README.md").read_text()
+    k = data["drafters"]["eagle3"]["low_batch"]["k"]
+    assert card and f"--speculative-num-steps {k} " in text and json.dumps(data["drafters"]["eagle3"]["schedule"]) in text
+    with pytest.raises(ValueError, match="economics.batch_sizes"):
+        run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over, "economics.memory_fraction=1e-12"), out=str(tmp_path / "x"))

@@ -47,6 +47,10 @@ class Drafter(Protocol):
     def draft_tree(self, root: torch.Tensor) -> Tree:
         """A tree of `tree_cfg.num_nodes` nodes at most, rooted at `root` (the target's last token)."""
 
+    # optional: set_sampling(temperature, gen) for drafters that sample their drafts; calibrate(...)
+    # for drafters that shape their tree from measured accuracies; begin(prompt_T) for drafters that
+    # read the prompt's first token too (extend never carries it: the runtime's baselines)
+
 
 def attend_with_mask(q, k, v, allowed_NL: torch.Tensor):
     """SDPA over explicit keys with a boolean [N, L] visibility mask (GQA expanded by SDPA)."""

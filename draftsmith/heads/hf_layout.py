@@ -2,6 +2,7 @@
 our exports carry, and reading a directory of weights."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -34,6 +35,11 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def measured_k(meta: dict, default: int) -> int:
+    """The K serve commands use: the best measured at batch size 1 by `draftsmith economics`, else `default`."""
+    return (meta.get("economics") or {}).get("best_k") or default
+
+
 def card(title: str, engine: str, meta: dict, validation: dict | None, serve: str, facts: list[str]) -> str:
     """The model card (README.md) of an export: what was trained on what, how it validated, how to serve."""
     recipe = meta.get("recipe", {})
@@ -51,4 +57,12 @@ def card(title: str, engine: str, meta: dict, validation: dict | None, serve: st
     else:
         lines.append("- **not validated** (exported with --allow-unvalidated)")
     lines += ["", "## Serve", "", "```", serve, "```", ""]
+    economics = meta.get("economics")
+    if economics:
+        lines += [f"K = {economics['best_k']} is the best number of speculative tokens measured at batch size 1 "
+                  f"(`draftsmith economics`, {economics['machine']}). Speculation pays up to a batch size; vLLM takes "
+                  "the measured K per batch size in its speculative config:", "",
+                  "```", f'"num_speculative_tokens_per_batch_size": {json.dumps(economics["schedule"])}', "```", "",
+                  f"(crossover: from batch size {economics['crossover_batch_size']} on, plain decoding is faster)"
+                  if economics.get("crossover_batch_size") else "(speculation paid at every measured batch size)", ""]
     return "\n".join(lines)

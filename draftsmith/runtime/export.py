@@ -23,6 +23,19 @@ def find_validation(head: Path) -> Path | None:
     return None
 
 
+def find_economics(head: Path) -> dict | None:
+    """The measured best K and schedule of `draftsmith economics` for exactly these weights, if any."""
+    path = head.parent / "economics" / "economics.json"
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    if result.get("head_sha256") != artifacts.sha256_file(head / "model.safetensors"):
+        return None  # measured for other weights: the card keeps the kind's default K
+    summary = result["drafters"][result["kind"]]
+    return {"best_k": summary["low_batch"]["k"], "schedule": summary["schedule"], "machine": result["machine"],
+            "crossover_batch_size": summary["crossover_batch_size"]}
+
+
 def check_validated(head: Path, target: str) -> dict:
     """The head's validation.json must exist, name this head's weights and this target, and pass."""
     path = find_validation(head)
@@ -52,6 +65,9 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
         raise artifacts.ArtifactError(f"{head_path}: checkpoint lacks {missing}; engines would silently skip them")
     target = meta.get("target_id") or ""
     validation = None if allow_unvalidated else check_validated(head_path, target)
+    economics = find_economics(head_path)
+    if economics:
+        meta = meta | {"economics": economics}
     config, named = formats.ADAPTERS[engine](tensors, meta["draft_config"], dtype, target=target)
     writer = getattr(formats, "WRITERS", {}).get(engine)  # a layout with files of its own (names, a whole model)
     out_path = Path(out)
@@ -67,4 +83,4 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
         if out_path.exists():
             shutil.rmtree(out_path)
     return {"out": str(out_path), "tensors": len(named), "validated": validation is not None,
-            "serve": formats.serve_command(engine, target, str(out_path))}
+            "serve": formats.serve_command(engine, target, str(out_path), **({"depth": economics["best_k"]} if economics else {})), "economics": economics}

@@ -71,6 +71,8 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
     drafter.reset()
     if hasattr(drafter, "set_sampling"):  # drafters that sample their drafts (proposals for verification)
         drafter.set_sampling(0.0 if sampling.greedy else sampling.temperature, gen)
+    if hasattr(drafter, "begin"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
+        drafter.begin(prompt_T)
     logits, features, _ = target.prefill(prompt_T)
     root = sample_token(logits[-1], sampling, gen)
     drafter.extend(torch.cat([prompt_T[1:], root.view(1)]), features)

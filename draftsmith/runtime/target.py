@@ -89,6 +89,10 @@ class TargetRunner:
         self.commit(torch.arange(T, device=self.device))
         return logits, aux, final
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (the KV stays, to be overwritten)."""
+        self._set_length(length)
+
     def commit(self, node_idx_A: torch.Tensor) -> None:
         """Keep the KV of the accepted tree nodes (indices into the last forward's N tokens)."""
         src = self.length + node_idx_A

@@ -154,6 +154,7 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
     drafter.reset()
     _, features, _ = target.prefill(prompt)
     drafter.extend(prompt[1:], features[:-1])
+    drafter.draft_tree(prompt[-1])  # warm-up: a baseline's first draft reads the whole prompt
     start = time.perf_counter()
     for _ in range(repeats):
         drafter.draft_tree(prompt[-1])

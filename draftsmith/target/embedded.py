@@ -120,11 +120,60 @@ def build_embedded_target(recipe: Recipe, out_dir: str | Path, heldout_fraction:
     return report
 
 
-def _train_lm(model, stream: torch.Tensor, cfg: EmbeddedTargetConfig) -> tuple[int, float]:
+def draft_inputs_hash(recipe: Recipe) -> str:
+    """The embedded draft model's inputs: its own shape and budget, and the target it drafts for."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+    text = json.dumps(asdict(recipe.economics.draft_model_embedded), sort_keys=True) + embedded_inputs_hash(recipe)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ensure_draft_model(recipe: Recipe) -> dict | str:
+    """The embedded draft model (economics.draft_model_embedded), built when missing or stale. It is
+    no input of data/capture/train, so `draftsmith run` leaves it alone; `target` and `economics` build it."""
+    if artifacts.stage_is_current(recipe.economics.draft_model, "draft-model", draft_inputs_hash(recipe)):
+        return f"{recipe.economics.draft_model}: up to date"
+    return build_embedded_draft(recipe)
+
+
+def build_embedded_draft(recipe: Recipe) -> dict:
+    """A small Llama with the embedded target's tokenizer, trained on the target's corpus (the
+    draft-model baseline of `draftsmith economics`), saved at economics.draft_model."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    cfg, out_dir = recipe.economics.draft_model_embedded, Path(recipe.economics.draft_model)
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    train_items, heldout_items = _corpus(recipe.target.embedded, recipe.data.heldout_fraction)
+    stream = _encode_stream(tokenizer, train_items)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=recipe.target.embedded.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, rope_theta=10000.0)
+    model = LlamaForCausalLM(config)
+    steps, seconds = _train_lm(model, stream, cfg, desc="draft model")
+    model.eval()
+    loss = _heldout_loss(model, _encode_stream(tokenizer, [t for t in heldout_items if isinstance(t, str)]), cfg.seq_len)
+    with artifacts.atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            import shutil
+            shutil.rmtree(out_dir)
+    report = {"draft_model": str(out_dir), "target_id": recipe.target.model, "num_parameters": sum(p.numel() for p in model.parameters()),
+              "train_steps": steps, "train_seconds": round(seconds, 1), "heldout_loss": round(loss, 4),
+              "heldout_perplexity": round(math.exp(loss), 3)}
+    artifacts.write_manifest(out_dir, "draft-model", draft_inputs_hash(recipe), **report)
+    return report
+
+
+def _train_lm(model, stream: torch.Tensor, cfg, desc: str = "target") -> tuple[int, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     start, step = time.perf_counter(), 0
-    bar = tqdm(total=int(cfg.train_seconds), desc="target", unit="s", mininterval=2.0, bar_format="{l_bar}{bar}| {n}/{total}s {postfix}")
+    bar = tqdm(total=int(cfg.train_seconds), desc=desc, unit="s", mininterval=2.0, bar_format="{l_bar}{bar}| {n}/{total}s {postfix}")
     model.train()
     max_steps = cfg.max_steps or 10**9
     while step < max_steps and (elapsed := time.perf_counter() - start) < cfg.train_seconds:

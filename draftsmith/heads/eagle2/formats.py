@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.eagle2.model import draft_config_from_target
-from draftsmith.heads.hf_layout import EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, read_weights
+from draftsmith.heads.hf_layout import EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, measured_k, read_weights
 
 TITLE = "EAGLE-2 draft head"
 REQUIRED = ("fc.weight", "layers.0.post_attention_layernorm.weight")
@@ -77,7 +77,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
     facts = ["feature: the target's final hidden state (after its final norm); full vocabulary through the "
              "target's lm_head", f"fc bias: {bool(config.get('bias'))}; decoder layer: the target's "
              f"{config['model_type']} layer without input_layernorm"]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 5)), facts)
 
 
 def recognizes(config: dict) -> bool:

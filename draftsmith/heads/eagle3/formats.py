@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.heads.eagle3.model import draft_config_from_target
-from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, TORCH_DTYPE_NAMES, card, cast, read_weights
+from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, TORCH_DTYPE_NAMES, card, cast, measured_k, read_weights
 
 TITLE = "EAGLE-3 draft head"
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -91,7 +91,7 @@ def _verifier(target: str) -> tuple[torch.Tensor | None, list]:
 def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> str:
     facts = [f"layer ids (input-to-layer): {meta.get('layer_ids')}",
              f"draft vocabulary: {meta['draft_config']['draft_vocab_size']}"]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3)), facts)
 
 
 def _normalize_names(tensors: dict) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, read_weights
+from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, measured_k, read_weights
 
 TITLE = "Medusa heads"
 REQUIRED = ("blocks.0.layers.0.weight",)
@@ -143,7 +143,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
     choices = (validation or {}).get("tree", {}).get("choices")
     if choices:
         facts.append(f"tree (measured): `medusa_choices={json.dumps(choices)}`")
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=K), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, K)), facts)
 
 
 def recognizes(config: dict) -> bool:

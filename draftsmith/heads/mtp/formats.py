@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast
+from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, measured_k
 
 TITLE = "MTP module"
 REQUIRED = ("modules_.0.eh_proj.weight", "modules_.0.enorm.weight")
@@ -176,7 +176,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
               f"{family} targets (DeepSeek-V3, GLM-4.5, Qwen3-Next families)" if served else
               f"engines: no engine serves MTP for {family} targets today; this head runs in draftsmith's runtime "
               "(vLLM and SGLang serve MTP for DeepSeek-V3, GLM-4.5 and Qwen3-Next families)")]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, family=family), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3), family=family), facts)
 
 
 def recognizes(config: dict) -> bool:

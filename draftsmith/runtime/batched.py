@@ -1,0 +1,192 @@
+"""Batched speculative decoding: B sequences in lockstep over one static cache, each row with its
+own committed length, its own draft tree (padded to the batch's largest) and its own accepted path,
+verified in one target forward per round. Plain batched decoding is the same loop with one-node trees.
+
+Cache layout per round: every row's tree KV is written at one shared scratch offset S = max(lengths)
+(the static cache writes all rows at the same slots); row b attends to its committed [0, length_b)
+and to its own tree block [S, S+N), with RoPE positions length_b + depth. `commit` then copies each
+row's accepted nodes from [S, S+N) down to [length_b, length_b + accepted_b). Rows that finished
+keep their length and run a padding node until the last row is done (what a server's batch does
+between a request's end and the next one's admission)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.heads.tree import Tree, chain_tree
+from draftsmith.runtime.generate import _finish, _sync
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.verify import SamplingConfig, sample_token, verify
+
+
+class BatchRunner(TargetRunner):
+    """`TargetRunner` for B rows: per-row committed lengths on the host (`lengths`), one forward
+    over [B, N] tokens with a [B, 1, N, max_len] mask."""
+
+    def __init__(self, model, batch_size: int, max_len: int, layer_ids: list[int], compile_mode: str | None = "auto"):
+        super().__init__(model, max_len, layer_ids, compile_mode)
+        self.batch_size = batch_size
+        self.lengths = [0] * batch_size
+        self.scratch = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.lengths = [0] * self.batch_size
+
+    def _batch_mask(self, tree_mask_BNN: torch.Tensor) -> torch.Tensor:
+        B, N, _ = tree_mask_BNN.shape
+        lengths_B = torch.tensor(self.lengths, device=self.device)
+        allowed = torch.arange(self.max_len, device=self.device)[None, None, :] < lengths_B[:, None, None]
+        allowed = allowed.expand(B, N, self.max_len).clone()
+        allowed[:, :, self.scratch:self.scratch + N] = tree_mask_BNN
+        mask = torch.zeros(B, N, self.max_len, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+    def _decode(self, tokens_BN, positions_BN, mask_B1NL):
+        self.extractor._captured.clear()
+        out = self.extractor.decoder(input_ids=tokens_BN, position_ids=positions_BN, attention_mask=mask_B1NL,
+                                     use_cache=True, **{self.cache_kwarg: self.cache})
+        final = out.last_hidden_state
+        aux = self.extractor.aux()
+        return self.lm_head(final).float(), final if aux is None else aux, final
+
+    @torch.no_grad()
+    def forward(self, tokens_BN: torch.Tensor, depth_BN: torch.Tensor, tree_mask_BNN: torch.Tensor, fixed: bool = True):
+        """Returns (logits_BNV fp32, features_BNK, final_BNH); tree KV sits at [scratch, scratch+N)."""
+        N = tokens_BN.shape[1]
+        self.scratch = max(self.lengths)
+        if self.scratch + N > self.max_len:
+            raise ValueError(f"sequence of {self.scratch + N} tokens exceeds the runtime's max_len={self.max_len}")
+        self._set_length(self.scratch)
+        positions = torch.tensor(self.lengths, device=self.device)[:, None] + depth_BN
+        decode = self.decode_fixed if fixed else self._decode
+        return decode(tokens_BN, positions, self._batch_mask(tree_mask_BNN))
+
+    def prefill_rows(self, prompts: list[torch.Tensor]):
+        """Right-padded prompts in one forward: per row (last logits_V, features_TK)."""
+        T = max(len(p) for p in prompts)
+        tokens = torch.zeros(self.batch_size, T, dtype=torch.long, device=self.device)
+        for b, prompt in enumerate(prompts):
+            tokens[b, :len(prompt)] = prompt
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(self.batch_size, T, T)
+        depth = torch.arange(T, device=self.device).expand(self.batch_size, T)
+        logits, features, _ = self.forward(tokens, depth, causal, fixed=False)
+        self.commit_rows([torch.arange(len(p), device=self.device) for p in prompts])
+        return [logits[b, len(p) - 1] for b, p in enumerate(prompts)], [features[b, :len(p)] for b, p in enumerate(prompts)]
+
+    def commit_rows(self, paths: list[torch.Tensor]) -> None:
+        """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty)."""
+        A = max(len(p) for p in paths)
+        if A == 0:
+            return
+        src = torch.zeros(self.batch_size, A, dtype=torch.long, device=self.device)
+        for b, path in enumerate(paths):
+            if len(path):
+                src[b, :len(path)] = path
+                src[b, len(path):] = path[-1]  # padding copies land past the row's new length: never read
+        src = src + self.scratch
+        dst = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(A, device=self.device)
+        for layer in self.cache.layers:
+            for cache in (layer.keys, layer.values):
+                H, D = cache.shape[1], cache.shape[3]
+                kept = cache.gather(2, src[:, None, :, None].expand(-1, H, -1, D))
+                cache.scatter_(2, dst[:, None, :, None].expand(-1, H, -1, D), kept)
+        self.lengths = [n + len(p) for n, p in zip(self.lengths, paths)]
+
+
+@dataclass
+class BatchResult:
+    tokens: list[list[int]]
+    seconds: float
+    ttft_seconds: float                       # batched prefill + every row's first token
+    finish_seconds: list[float] = field(default_factory=list)   # per row: when its last token came
+    accept_lengths: list[list[int]] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+    @property
+    def tpot_seconds(self) -> float:
+        """Mean time per output token after the first, over rows."""
+        per_row = [(f - self.ttft_seconds) / (len(t) - 1) for f, t in zip(self.finish_seconds, self.tokens) if len(t) > 1]
+        return sum(per_row) / len(per_row) if per_row else 0.0
+
+
+def pad_trees(trees: list[Tree], device, num_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, N] tokens and depths and [B, N, N] ancestor masks, N = max(num_nodes, largest tree);
+    padding nodes see only themselves."""
+    N = max([num_nodes] + [len(t) for t in trees])
+    tokens = torch.zeros(len(trees), N, dtype=torch.long, device=device)
+    depth = torch.zeros(len(trees), N, dtype=torch.long, device=device)
+    mask = torch.eye(N, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        tokens[b, :n], depth[b, :n], mask[b, :n, :n] = tree.tokens_N, tree.depth_N, tree.mask_NN
+    return tokens, depth, mask
+
+
+def _start_drafters(drafters, prompts, roots, features, sampling, gen) -> None:
+    for drafter, prompt, root, feats in zip(drafters, prompts, roots, features):
+        drafter.reset()
+        if hasattr(drafter, "set_sampling"):
+            drafter.set_sampling(0.0 if sampling.greedy else sampling.temperature, gen)
+        if hasattr(drafter, "begin"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
+            drafter.begin(prompt)
+        drafter.extend(torch.cat([prompt[1:], root.view(1)]), feats)
+
+
+@torch.no_grad()
+def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingConfig,
+                     eos_ids: set[int], drafters: list | None = None, gen: torch.Generator | None = None) -> BatchResult:
+    """Decode every prompt in one batch; with `drafters` (one per row) speculatively. Greedy output
+    of each row equals plain greedy decoding of that prompt alone, token for token."""
+    if len(prompts) != target.batch_size or (drafters is not None and len(drafters) != len(prompts)):
+        raise ValueError(f"{len(prompts)} prompts for a batch of {target.batch_size} rows "
+                         f"({'no' if drafters is None else len(drafters)} drafters)")
+    _sync(target.device)
+    start = time.perf_counter()
+    target.reset()
+    logits, features = target.prefill_rows(prompts)
+    roots = [sample_token(row, sampling, gen) for row in logits]
+    if drafters is not None:
+        _start_drafters(drafters, prompts, roots, features, sampling, gen)
+    state = [_finish([], [int(root)], eos_ids, max_new_tokens) for root in roots]
+    tokens, done = [s[0] for s in state], [s[1] for s in state]
+    _sync(target.device)
+    ttft = time.perf_counter() - start
+    result = BatchResult(tokens, 0.0, ttft, [ttft] * len(prompts), [[] for _ in prompts])
+    # one verify shape per run (CUDA graphs capture fixed shapes), even when drafts come up short
+    num_nodes = max(d.tree_cfg.num_nodes for d in drafters) if drafters is not None else 1
+    while not all(done):
+        t0 = time.perf_counter()
+        trees = [chain_tree(root, root.view(1)[:0]) if done[b] or drafters is None else drafters[b].draft_tree(root)
+                 for b, root in enumerate(roots)]
+        t1 = time.perf_counter()
+        logits, features, _ = target.forward(*pad_trees(trees, target.device, num_nodes))
+        verdicts = [None if done[b] else verify(tree, logits[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
+        target.commit_rows([v[0] if v else roots[0].new_zeros(0) for v in verdicts])
+        result.draft_seconds += t1 - t0
+        result.verify_seconds += time.perf_counter() - t1
+        for b, verdict in enumerate(verdicts):
+            if verdict is None:
+                continue
+            path, bonus = verdict
+            accepted = trees[b].tokens_N[path[1:]]
+            result.accept_lengths[b].append(len(path) - 1)
+            tokens[b], done[b] = _finish(tokens[b], accepted.tolist() + [int(bonus)], eos_ids, max_new_tokens)
+            result.finish_seconds[b] = time.perf_counter() - start
+            if not done[b] and drafters is not None:
+                drafters[b].extend(torch.cat([accepted, bonus.view(1)]), features[b, path])
+            roots[b] = bonus
+    _sync(target.device)
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,425 @@
+"""`draftsmith economics --recipe R`: what a head is worth across load, next to the baselines.
+
+For every batch size (capped by memory) and every K (speculative tokens per row, one chain: vLLM's
+`num_speculative_tokens`), batched decoding (runtime/batched.py) of the same prompts measures output
+tokens/s, time per output token (TPOT) and time to first token (TTFT), plain (K = 0) and with each
+drafter: the trained head, prompt-lookup n-gram and a small draft model (runtime/baselines.py).
+Every speculative row is checked token for token against the plain batch's row. From the sweep:
+the best K per batch size, the crossover (the batch size from which K = 0 wins), vLLM's
+`num_speculative_tokens_per_batch_size` schedule and SGLang settings, Theorem 3.8's prediction
+next to the measured speedup at batch size 1, and with a $/h price the cost per 1M output tokens,
+the multiplier M and the break-even extra $/h. Writes economics.json, economics.md and plots.
+
+Rows draft one after the other (each drafter instance is batch 1); verification is one batched
+target forward. At large batch sizes a drafter that batches its own steps would cost less than
+measured here, so the speculative figures are conservative."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import artifacts
+from draftsmith.recipe import Recipe
+from draftsmith.runtime import economics as econ
+from draftsmith.runtime.baselines import (
+    DraftModelDrafter,
+    NgramDrafter,
+    chain_config,
+    check_shared_tokenizer,
+)
+from draftsmith.runtime.batched import BatchRunner, batched_generate
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.verify import SamplingConfig
+
+
+def economics_dir(recipe: Recipe) -> Path:
+    return recipe.run_dir / "economics"
+
+
+def _settings_hash(recipe: Recipe) -> str:
+    """What the sweep's figures depend on besides the weights: its own section and the prompts' source."""
+    return f"{recipe.section_hash('economics')}-{recipe.section_hash('validate')}"
+
+
+def economics_is_current(recipe: Recipe) -> bool:
+    """economics.json exists for the run's current head weights and these economics/validate settings."""
+    from draftsmith.runtime.validate import _head_sha
+    path = economics_dir(recipe) / "economics.json"
+    if not path.exists():
+        return False
+    data = artifacts.read_json(path)
+    return data.get("head_sha256") == _head_sha(recipe.run_dir / "head") and data.get("settings_hash") == _settings_hash(recipe)
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, no GPU"
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_bytes(config, batch_size: int, max_len: int, num_nodes: int, dtype: torch.dtype) -> int:
+    """The static KV cache plus one verify forward's fp32 logits, for `batch_size` rows."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    element = torch.finfo(dtype).bits // 8
+    kv = 2 * text.num_hidden_layers * batch_size * kv_heads * max_len * head_dim * element
+    return kv + batch_size * num_nodes * text.vocab_size * 4
+
+
+def _cell(results: list, plains: list | None = None) -> dict:
+    """One grid cell from the batches that covered every prompt (tokens and seconds summed)."""
+    tokens = sum(r.num_tokens for r in results)
+    seconds = sum(r.seconds for r in results)
+    cell = {"tokens_per_s": tokens / seconds, "tpot_ms": 1e3 * sum(r.tpot_seconds for r in results) / len(results),
+            "ttft_ms": 1e3 * sum(r.ttft_seconds for r in results) / len(results), "num_tokens": tokens, "seconds": seconds,
+            "num_batches": len(results)}
+    if plains is not None:
+        rounds = [a for r in results for row in r.accept_lengths for a in row]
+        exact = [a == b for r, p in zip(results, plains) for a, b in zip(r.tokens, p.tokens)]
+        cell.update(tau=sum(a + 1 for a in rounds) / max(len(rounds), 1), num_exact_rows=sum(exact), num_rows=len(exact),
+                    draft_seconds=sum(r.draft_seconds for r in results), verify_seconds=sum(r.verify_seconds for r in results))
+    return cell
+
+
+class Sweep:
+    """Runs the grid for one target; `drafters` maps a name to a factory `k -> drafter`. A batch size
+    below the number of prompts runs several batches, so every cell decodes every prompt at least once."""
+
+    def __init__(self, model, layer_ids, prompts, domains, eos, max_new_tokens, max_len, device):
+        self.model, self.layer_ids, self.prompts, self.domains = model, layer_ids, prompts, domains
+        self.eos, self.max_new_tokens, self.max_len, self.device = eos, max_new_tokens, max_len, device
+        self.pools: dict[tuple[str, int], list] = {}
+        self.row_accepts: dict[str, dict[str, list[int]]] = {}
+
+    def _drafters(self, name: str, factory, k: int, batch_size: int) -> list:
+        pool = self.pools.setdefault((name, k), [])
+        while len(pool) < batch_size:
+            pool.append(factory(k))
+        return pool[:batch_size]
+
+    def _groups(self, batch_size: int) -> list[list[int]]:
+        count = -(-len(self.prompts) // batch_size)
+        return [[(g * batch_size + j) % len(self.prompts) for j in range(batch_size)] for g in range(count)]
+
+    def run_batch(self, batch_size: int, drafters: dict, ks: dict[str, list[int]]) -> dict:
+        groups = self._groups(batch_size)
+        runner = BatchRunner(self.model, batch_size, self.max_len, self.layer_ids)
+        greedy = SamplingConfig()
+        batched_generate(runner, [self.prompts[i] for i in groups[0]], 4, greedy, self.eos)  # warm-up
+        plains = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos) for g in groups]
+        out = {"plain": _cell(plains)}
+        for name, factory in drafters.items():
+            out[name] = {}
+            for k in ks[name]:
+                pool = self._drafters(name, factory, k, batch_size)
+                results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos, pool)
+                           for g in groups]
+                out[name][k] = _cell(results, plains)
+                if k == max(ks[name]):
+                    self._collect(name, results, groups)
+        return out
+
+    def _collect(self, name: str, results: list, groups: list[list[int]]) -> None:
+        by_domain = self.row_accepts.setdefault(name, {})
+        for result, group in zip(results, groups):
+            for accepts, index in zip(result.accept_lengths, group):
+                by_domain.setdefault(self.domains[index], []).extend(accepts)
+
+
+def draft_cost(drafter, model, layer_ids, prompt: torch.Tensor, max_len: int) -> float:
+    """c: one draft step's latency over one plain target decode step's, each measured in isolation."""
+    from draftsmith.runtime.validate import _draft_step_cost
+    return _draft_step_cost(drafter, TargetRunner(model, max_len, layer_ids, compile_mode=None), prompt)
+
+
+def summarize(name: str, cells: dict, plain: dict, gamma_c: float, usd: float | None, extra: float) -> dict:
+    """Best K per batch size, crossover, schedule, the low-batch prediction and the cost table of one drafter."""
+    sizes = sorted(cells)
+    sweep = {b: {0: plain[b]["tokens_per_s"]} | {k: c["tokens_per_s"] for k, c in cells[b].items()} for b in sizes}
+    schedule = econ.schedule(sweep)
+    best = {b: max(sorted(sweep[b]), key=lambda k: (sweep[b][k], -k)) for b in sizes}
+    crossover = next((b for i, b in enumerate(sizes) if all(best[s] == 0 for s in sizes[i:])), None)
+    first = sizes[0]
+    predicted = []
+    for k, c in cells[first].items():
+        predicted.append({"k": k, "tau": c["tau"], "alpha_iid": econ.alpha_from_tau(c["tau"], k),
+                          "predicted": econ.walltime_factor(c["tau"], k, gamma_c),
+                          "measured": c["tokens_per_s"] / plain[first]["tokens_per_s"]})
+    k1 = best[first] or max(cells[first], key=lambda k: cells[first][k]["tokens_per_s"])
+    tau1 = cells[first][k1]["tau"]
+    out = {"c": gamma_c, "best_k": {str(b): best[b] for b in sizes}, "schedule": schedule, "crossover_batch_size": crossover,
+           "exact_rows": sum(c["num_exact_rows"] for b in sizes for c in cells[b].values()),
+           "rows": sum(c["num_rows"] for b in sizes for c in cells[b].values()),
+           "low_batch": {"batch_size": first, "k": k1, "tau": tau1, "alpha_iid": econ.alpha_from_tau(tau1, k1), "c": gamma_c,
+                         "break_even_c": econ.break_even_cost(tau1, k1),
+                         "predicted_walltime_factor": econ.walltime_factor(tau1, k1, gamma_c),
+                         "measured_walltime_factor": cells[first][k1]["tokens_per_s"] / plain[first]["tokens_per_s"]},
+           "predicted_vs_measured": predicted}
+    if usd is not None:
+        out["cost"] = {}
+        for b in sizes:
+            k = best[b] or k1
+            spec = sweep[b][k]
+            multiplier = spec / sweep[b][0]
+            break_even = econ.break_even_extra_usd_per_hour(usd, multiplier)
+            out["cost"][str(b)] = {
+                "k": k, "plain_usd_per_mtok": econ.usd_per_million_tokens(usd, sweep[b][0]),
+                "spec_usd_per_mtok": econ.usd_per_million_tokens(usd + extra, spec), "multiplier": multiplier,
+                "break_even_extra_usd_per_hour": break_even, "extra_usd_per_hour": extra, "pays": extra < break_even}
+    return out
+
+
+def sglang_settings(schedule: list[list[int]]) -> dict:
+    """SGLang takes one K per server (EAGLE knobs: steps, topk, draft tokens incl. the root): the
+    schedule's K at the smallest batch size, and up to which batch size speculation pays."""
+    k = schedule[0][2]
+    pays_until = max((end for start, end, kk in schedule if kk > 0), default=None)
+    return {"speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1,
+            "speculation_pays_up_to_batch_size": pays_until,
+            "note": "SGLang has no per-batch-size K: beyond the batch size above, serve without speculation "
+                    "(or cap --max-running-requests there)" if pays_until is not None else
+                    "speculation did not pay at any measured batch size: serve without it"}
+
+
+def vllm_config(name: str, kind: str, schedule: list[list[int]], model_path: str, cfg) -> dict:
+    method = {"eagle3": "eagle3", "eagle2": "eagle", "medusa": "medusa", "mtp": "mtp", "ngram": "ngram",
+              "draft-model": "draft_model"}.get(kind, kind)
+    config = {"method": method, "num_speculative_tokens": max(k for _, _, k in schedule) or 1,
+              "num_speculative_tokens_per_batch_size": schedule}
+    if name == "ngram":
+        config.update(prompt_lookup_max=cfg.ngram_max, prompt_lookup_min=cfg.ngram_min)
+    elif model_path:
+        config["model"] = model_path
+    return config
+
+
+def _usable_ks(name: str, factory, ks: list[int]) -> tuple[list[int], dict]:
+    """The K values a drafter supports (a Medusa head drafts at most one token per head)."""
+    usable, refused = [], {}
+    for k in ks:
+        try:
+            factory(k)
+            usable.append(k)
+        except ValueError as exc:
+            refused[str(k)] = str(exc)
+    if not usable:
+        raise ValueError(f"drafter {name!r} supports none of economics.num_speculative_tokens={ks}: {refused}")
+    return usable, refused
+
+
+def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: int, device) -> dict:
+    from draftsmith.heads.registry import head_spec
+    cfg = recipe.economics
+    spec = head_spec(draft_head.kind)
+    factories = {draft_head.kind: lambda k: spec.drafter(draft_head, max_len, chain_config(k))}
+    if "ngram" in cfg.baselines:
+        factories["ngram"] = lambda k: NgramDrafter(k, cfg.ngram_max, cfg.ngram_min)
+    if "draft-model" in cfg.baselines and cfg.draft_model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from draftsmith.target.embedded import ensure_draft_model
+        if cfg.draft_model_embedded is not None:
+            ensure_draft_model(recipe)
+        elif not Path(cfg.draft_model).exists() and "/" not in cfg.draft_model:
+            raise ValueError(f"economics.draft_model={cfg.draft_model!r}: no such model directory")
+        where = f"economics.draft_model={cfg.draft_model}"
+        check_shared_tokenizer(tokenizer, AutoTokenizer.from_pretrained(cfg.draft_model), where)
+        small = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=model.dtype, attn_implementation="sdpa").to(device).eval()
+        factories["draft-model"] = lambda k: DraftModelDrafter(small, max_len, k)
+    return factories
+
+
+def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float | None = None,
+                  extra_usd_per_hour: float | None = None, out: str | None = None) -> dict:
+    from tqdm import tqdm
+
+    from draftsmith.heads.loading import load_head
+    from draftsmith.runtime.validate import (
+        _check_target,
+        _head_sha,
+        eos_ids,
+        validation_prompts,
+    )
+    from draftsmith.target.loading import load_target, load_tokenizer, pick_device
+    cfg = recipe.economics
+    usd = gpu_hour_usd if gpu_hour_usd is not None else cfg.gpu_hour_usd
+    extra = extra_usd_per_hour if extra_usd_per_hour is not None else cfg.extra_usd_per_hour
+    if (usd is not None and usd <= 0) or extra < 0:
+        raise ValueError(f"--gpu-hour-usd={usd}, --extra-usd-per-hour={extra}: expected a positive price and a non-negative extra")
+    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    torch.manual_seed(recipe.seed)
+    model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
+    head_path = Path(head) if head else recipe.run_dir / "head"
+    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    draft_head = draft_head.to(device=device, dtype=model.dtype)
+    _check_target(meta, model, recipe)
+    if draft_head.config.get("draftsmith", {}).get("joint"):  # served on the fine-tuned target
+        from draftsmith.target.lora import merge_adapter
+        model = merge_adapter(model, head_path / "lora")
+    chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts)
+    prompts, domains = [p.to(device) for p, _ in chosen], [d for _, d in chosen]
+    ks = sorted({k for k in (cfg.num_speculative_tokens or range(recipe.validate.depth + 1)) if k > 0})
+    if not ks:
+        raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")
+    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + max(ks) + 2
+    layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
+    factories = _drafter_factories(recipe, draft_head, model, tokenizer, max_len, device)
+    ks_by, refused = {}, {}
+    for name, factory in factories.items():
+        ks_by[name], refused[name] = _usable_ks(name, factory, ks)
+    sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, device)
+    free, grid, skipped = _free_memory_bytes(device), {}, {}
+    sizes = sorted(set(cfg.batch_sizes))
+    bar = tqdm(sizes, desc="economics", unit="batch size")
+    for size in bar:
+        need = cache_bytes(model.config, size, max_len, max(ks) + 1, model.dtype)
+        if need > cfg.memory_fraction * free:
+            skipped[str(size)] = f"needs {need / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free (economics.memory_fraction={cfg.memory_fraction})"
+            continue
+        bar.set_postfix(batch=size)
+        grid[size] = sweep.run_batch(size, factories, ks_by)
+    if not grid:
+        raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
+    plain = {b: grid[b]["plain"] for b in grid}
+    result = {"target": recipe.target.model, "head": str(head_path), "head_sha256": _head_sha(head_path), "kind": draft_head.kind,
+              "settings_hash": _settings_hash(recipe),
+              "device": str(device), "machine": machine_name(device), "dtype": str(model.dtype),
+              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": cfg.max_new_tokens, "num_prompts": len(prompts),
+              "batch_sizes": sorted(grid), "skipped_batch_sizes": skipped, "num_speculative_tokens": ks,
+              "gpu_hour_usd": usd, "extra_usd_per_hour": extra, "plain": {str(b): c for b, c in plain.items()}, "drafters": {}}
+    for name, factory in factories.items():
+        cells = {b: grid[b][name] for b in grid}
+        c = draft_cost(factory(max(ks_by[name])), model, layer_ids, prompts[0], max_len)
+        summary = summarize(name, cells, plain, c, usd, extra)
+        gamma = max(ks_by[name])
+        summary["per_domain"] = {d: {"tau": sum(a + 1 for a in acc) / max(len(acc), 1), "k": gamma,
+                                     "alpha_iid": econ.alpha_from_tau(sum(a + 1 for a in acc) / max(len(acc), 1), gamma)}
+                                 for d, acc in sorted(sweep.row_accepts.get(name, {}).items())}
+        model_path = str(recipe.run_dir / "export" / "vllm") if name == draft_head.kind else (cfg.draft_model or "")
+        summary.update(kind=name, refused_k=refused[name], cells={str(b): {str(k): v for k, v in cells[b].items()} for b in cells},
+                       vllm_speculative_config=vllm_config(name, name, summary["schedule"], model_path, cfg))
+        if name == draft_head.kind:
+            summary["sglang"] = sglang_settings(summary["schedule"])
+        result["drafters"][name] = summary
+    out_dir = Path(out) if out else economics_dir(recipe)
+    write_economics_report(out_dir, result)
+    head_summary = result["drafters"][draft_head.kind]
+    return {"report": str(out_dir / "economics.md"), "schedule": head_summary["schedule"],
+            "crossover_batch_size": head_summary["crossover_batch_size"], "best_k_at_batch_1": head_summary["low_batch"]["k"]}
+
+
+def _plots(out_dir: Path, result: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = result["batch_sizes"]
+    kind = result["kind"]
+    head = result["drafters"][kind]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [result["plain"][str(b)]["tokens_per_s"] for b in sizes], "k-o", label="plain (K=0)")
+    for k in result["num_speculative_tokens"]:
+        if str(k) in head["cells"][str(sizes[0])]:
+            ax.plot(sizes, [head["cells"][str(b)][str(k)]["tokens_per_s"] for b in sizes], marker=".", label=f"{kind} K={k}")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="output tokens/s", title=f"{kind}: throughput against load")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=100)
+    plt.close(fig)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    top = 1.0
+    for name, d in result["drafters"].items():
+        points = d["predicted_vs_measured"]
+        ax1.scatter([p["predicted"] for p in points], [p["measured"] for p in points], label=name)
+        top = max([top] + [p["predicted"] for p in points] + [p["measured"] for p in points])
+        best = [d["cells"][str(b)][str(d["best_k"][str(b)])]["tokens_per_s"] if d["best_k"][str(b)] else result["plain"][str(b)]["tokens_per_s"]
+                for b in sizes]
+        ax2.plot(sizes, [s / result["plain"][str(b)]["tokens_per_s"] for s, b in zip(best, sizes)], marker="o", label=name)
+    ax1.plot([0, top], [0, top], "k:", label="predicted = measured")
+    ax1.set(xlabel="Theorem 3.8 prediction tau/(K c + 1)", ylabel="measured speedup", title=f"batch size {sizes[0]}, every K")
+    ax1.legend(fontsize=7)
+    ax2.axhline(1.0, color="k", linestyle=":")
+    ax2.set(xscale="log", xlabel="batch size", ylabel="speedup at the best K", title="drafters side by side")
+    ax2.legend(fontsize=7)
+    names = list(result["drafters"])
+    domains = sorted({dom for d in result["drafters"].values() for dom in d["per_domain"]})
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        per = result["drafters"][name]["per_domain"]
+        ax3.bar([j + i * width for j in range(len(domains))], [per.get(dom, {}).get("alpha_iid", 0) for dom in domains], width, label=name)
+    ax3.set_xticks([j + 0.4 - width / 2 for j in range(len(domains))], domains, fontsize=7)
+    ax3.set(ylabel="i.i.d. alpha", ylim=(0, 1), title="acceptance per domain (largest K)")
+    ax3.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "drafters.png", dpi=100)
+    plt.close(fig)
+
+
+def report_lines(result: dict) -> list[str]:
+    sizes = result["batch_sizes"]
+    lines = ["# Economics report", "",
+             f"- target `{result['target']}`, head `{result['head']}` ({result['kind']}) on {result['machine']} "
+             f"({result['device']}, {result['dtype']}), {result['date']}",
+             f"- {result['num_prompts']} prompts repeated to fill each batch, {result['max_new_tokens']} new tokens per row, greedy; "
+             f"K = speculative tokens per row (one chain); batch sizes {sizes}"
+             + (f"; skipped: {result['skipped_batch_sizes']}" if result["skipped_batch_sizes"] else ""), "",
+             "## Drafters side by side", "",
+             "| drafter | c | tau (B=1, best K) | best K (B=1) | speedup B=1 (predicted / measured) | c* | crossover batch size | exact rows |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, d in result["drafters"].items():
+        low = d["low_batch"]
+        lines.append(f"| {name} | {d['c']:.3f} | {low['tau']:.2f} | {low['k']} | {low['predicted_walltime_factor']:.2f}x / "
+                     f"{low['measured_walltime_factor']:.2f}x | {low['break_even_c']:.3f} | {d['crossover_batch_size'] or 'none'} "
+                     f"| {d['exact_rows']}/{d['rows']} |")
+    lines += ["", "## Output tokens/s (best K per drafter; TPOT / TTFT in ms)", "",
+              "| batch | plain | " + " | ".join(result["drafters"]) + " |", "|---" * (2 + len(result["drafters"])) + "|"]
+    for b in sizes:
+        p = result["plain"][str(b)]
+        row = [f"{b}", f"{p['tokens_per_s']:.0f} ({p['tpot_ms']:.1f} / {p['ttft_ms']:.0f})"]
+        for d in result["drafters"].values():
+            k = d["best_k"][str(b)]
+            cell = d["cells"][str(b)].get(str(k)) if k else None
+            row.append(f"K={k}: {cell['tokens_per_s']:.0f} ({cell['tpot_ms']:.1f} / {cell['ttft_ms']:.0f})" if cell else "K=0 (plain)")
+        lines.append("| " + " | ".join(row) + " |")
+    for name, d in result["drafters"].items():
+        lines += ["", f"### {name}", "", f"- vLLM: `--speculative-config '{json.dumps(d['vllm_speculative_config'])}'`"]
+        if "sglang" in d:
+            s = d["sglang"]
+            lines.append(f"- SGLang: `--speculative-num-steps {s['speculative_num_steps']} --speculative-eagle-topk 1 "
+                         f"--speculative-num-draft-tokens {s['speculative_num_draft_tokens']}` ({s['note']})")
+        if d["per_domain"]:
+            lines.append("- per domain (largest K): " + ", ".join(f"{dom} tau {v['tau']:.2f} alpha {v['alpha_iid']:.3f}"
+                                                                    for dom, v in d["per_domain"].items()))
+        if "cost" in d:
+            lines += ["", f"| batch | K | plain $/Mtok | speculative $/Mtok | M | break-even extra $/h | pays at +${result['extra_usd_per_hour']}/h |",
+                      "|---|---|---|---|---|---|---|"]
+            for b, c in d["cost"].items():
+                lines.append(f"| {b} | {c['k']} | {c['plain_usd_per_mtok']:.2f} | {c['spec_usd_per_mtok']:.2f} | {c['multiplier']:.2f} "
+                             f"| {c['break_even_extra_usd_per_hour']:.2f} | {c['pays']} |")
+    lines += ["", "Rows draft one after the other; verification is one batched forward, so speculative figures at large "
+              "batch sizes are conservative.", "", "![throughput](throughput.png)", "", "![drafters](drafters.png)", ""]
+    return lines
+
+
+def write_economics_report(out_dir: Path, result: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plots(out_dir, result)
+    with artifacts.atomic_path(out_dir / "economics.md") as tmp:
+        tmp.write_text("\n".join(report_lines(result)))
+    artifacts.write_json(out_dir / "economics.json", result)

@@ -89,7 +89,7 @@ def test_batched_decoding_is_exact_per_row(tiny_pair):
         NgramDrafter,
         chain_config,
     )
-    from draftsmith.runtime.batched import BatchRunner, batched_generate
+    from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate
     from draftsmith.runtime.generate import plain_generate
     from draftsmith.runtime.target import TargetRunner
     from draftsmith.runtime.verify import SamplingConfig
@@ -121,6 +121,32 @@ def test_batched_decoding_is_exact_per_row(tiny_pair):
             assert result.tokens == expected[:size], (name, size)
             assert result.ttft_seconds <= min(result.finish_seconds) and result.tokens_per_s > 0
     assert any(len(t) < 24 for t in expected) and any(len(t) == 24 for t in expected)   # EOS did split the rows
+    # the cache length the sweep allocates holds rows that overshoot max_new_tokens in their last round
+    # and idle while others decode (always-right drafts: every round commits the whole chain)
+    class Oracle:
+        tree_cfg = chain_config(7)
+
+        def __init__(self, continuation):
+            self.continuation = continuation
+
+        def reset(self):
+            self.seen = 0
+
+        def begin(self, prompt):
+            self.seen = 1 - len(prompt)       # extend carries prompt[1:], then generated tokens from the root on
+
+        def extend(self, tokens, features):
+            self.seen += len(tokens)
+
+        def draft_tree(self, root):
+            return chain_tree(root, torch.tensor(self.continuation[self.seen:self.seen + 7]))
+
+    from draftsmith.heads.tree import chain_tree
+    long = [torch.arange(n) % 5 for n in (9, 4, 17)]
+    oracle = [plain_generate(single, p, 40, greedy, set()).tokens for p in long]
+    tight = BatchRunner(target, 3, batch_max_len(long, 10, 8), layers)
+    result = batched_generate(tight, long, 10, greedy, set(), [Oracle(o) for o in oracle])
+    assert result.tokens == [o[:10] for o in oracle] and all(a == [7, 7] for a in result.accept_lengths)
 
 
 def test_ngram_prompt_lookup():
@@ -139,13 +165,15 @@ def test_ngram_prompt_lookup():
         NgramDrafter(2, max_ngram=1, min_ngram=2)
 
 
-def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline):
-    """`draftsmith economics` on the micro pipeline: every figure of economics.json recomputes from its
-    cells; the schedule is the writer's on the measured grid; the export's model card serves the best K."""
+def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeypatch):
+    """`draftsmith economics` on the micro pipeline, killed after its first batch size and resumed there:
+    every figure of economics.json recomputes from its cells; the schedule is the writer's on the measured
+    grid; the export's model card serves the best K."""
     import json
 
     from conftest import micro_recipe
 
+    from draftsmith.runtime import sweep as sweep_mod
     from draftsmith.runtime.export import export_head
     from draftsmith.runtime.sweep import run_economics
     recipe = micro_pipeline
@@ -153,7 +181,20 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline):
             "economics.num_prompts=3", f"economics.draft_model={tmp_path / 'draft'}", "economics.draft_model_embedded.hidden_size=32",
             "economics.draft_model_embedded.num_hidden_layers=1", "economics.draft_model_embedded.max_steps=5"]
     r = micro_recipe(recipe.out_dir, recipe.target.model, *over)
+    measured, run_batch = [], sweep_mod.Sweep.run_batch
+
+    def killed_at_2(self, size, *args):
+        if size == 2:
+            raise KeyboardInterrupt  # what a kill leaves: batch size 1 measured and saved
+        measured.append(size)
+        return run_batch(self, size, *args)
+    monkeypatch.setattr(sweep_mod.Sweep, "run_batch", killed_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_economics(r, gpu_hour_usd=2.0, extra_usd_per_hour=0.5, out=str(tmp_path / "econ"))
+    assert (tmp_path / "econ" / "partial.json").exists() and measured == [1]
+    monkeypatch.setattr(sweep_mod.Sweep, "run_batch", lambda self, size, *a: measured.append(size) or run_batch(self, size, *a))
     out = run_economics(r, gpu_hour_usd=2.0, extra_usd_per_hour=0.5, out=str(tmp_path / "econ"))
+    assert measured == [1, 2, 64] and not (tmp_path / "econ" / "partial.json").exists()
     data = json.loads((tmp_path / "econ" / "economics.json").read_text())
     assert (tmp_path / "draft" / "manifest.json").exists()          # the embedded draft model was built on first use
     assert data["batch_sizes"] == [1, 2, 64] and set(data["drafters"]) == {"eagle3", "ngram", "draft-model"}

@@ -121,6 +121,12 @@ class BatchResult:
         return sum(per_row) / len(per_row) if per_row else 0.0
 
 
+def batch_max_len(prompts: list[torch.Tensor], max_new_tokens: int, num_nodes: int) -> int:
+    """Cache length a batch needs: a row commits up to num_nodes - 1 tokens past max_new_tokens in its
+    last round and keeps them while idle, and the next tree sits past the longest row."""
+    return max(len(p) for p in prompts) + max_new_tokens + 2 * num_nodes + 1
+
+
 def pad_trees(trees: list[Tree], device, num_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, N] tokens and depths and [B, N, N] ancestor masks, N = max(num_nodes, largest tree);
     padding nodes see only themselves."""

@@ -32,7 +32,7 @@ from draftsmith.runtime.baselines import (
     chain_config,
     check_shared_tokenizer,
 )
-from draftsmith.runtime.batched import BatchRunner, batched_generate
+from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
 
@@ -123,8 +123,8 @@ class Sweep:
         runner = BatchRunner(self.model, batch_size, self.max_len, self.layer_ids)
         greedy = SamplingConfig()
         batched_generate(runner, [self.prompts[i] for i in groups[0]], 4, greedy, self.eos)  # warm-up
-        plains = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos) for g in groups]
-        out = {"plain": _cell(plains)}
+        plains = self._plain(runner, groups)
+        out = {}
         for name, factory in drafters.items():
             out[name] = {}
             for k in ks[name]:
@@ -134,7 +134,15 @@ class Sweep:
                 out[name][k] = _cell(results, plains)
                 if k == max(ks[name]):
                     self._collect(name, results, groups)
+        # plain decoding is every drafter's denominator at this batch size: measured before and after
+        # the drafters, the faster run counts (one noisy baseline would flip every K decision here)
+        again = self._plain(runner, groups)
+        out["plain"] = min(_cell(plains), _cell(again), key=lambda c: c["seconds"])
         return out
+
+    def _plain(self, runner, groups: list[list[int]]) -> list:
+        return [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, SamplingConfig(), self.eos)
+                for g in groups]
 
     def _collect(self, name: str, results: list, groups: list[list[int]]) -> None:
         by_domain = self.row_accepts.setdefault(name, {})
@@ -224,6 +232,18 @@ def _usable_ks(name: str, factory, ks: list[int]) -> tuple[list[int], dict]:
     return usable, refused
 
 
+def _load_partial(path: Path, key: dict) -> tuple[dict, dict]:
+    """(grid, per-domain accept lengths) measured by an interrupted sweep of the same weights and settings."""
+    if not path.exists():
+        return {}, {}
+    data = artifacts.read_json(path)
+    if json.loads(json.dumps(key)) != data.get("key"):
+        return {}, {}
+    grid = {int(b): {name: cells if name == "plain" else {int(k): c for k, c in cells.items()} for name, cells in row.items()}
+            for b, row in data["grid"].items()}
+    return grid, data["row_accepts"]
+
+
 def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: int, device) -> dict:
     from draftsmith.heads.registry import head_spec
     cfg = recipe.economics
@@ -278,14 +298,18 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
     ks = sorted({k for k in (cfg.num_speculative_tokens or range(recipe.validate.depth + 1)) if k > 0})
     if not ks:
         raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")
-    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + max(ks) + 2
+    max_len = batch_max_len(prompts, cfg.max_new_tokens, max(ks) + 1)
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
     factories = _drafter_factories(recipe, draft_head, model, tokenizer, max_len, device)
     ks_by, refused = {}, {}
     for name, factory in factories.items():
         ks_by[name], refused[name] = _usable_ks(name, factory, ks)
     sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, device)
-    free, grid, skipped = _free_memory_bytes(device), {}, {}
+    out_dir = Path(out) if out else economics_dir(recipe)
+    partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
+    key = {"head_sha256": _head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by}
+    grid, sweep.row_accepts = _load_partial(partial, key)
+    free, skipped = _free_memory_bytes(device), {}
     sizes = sorted(set(cfg.batch_sizes))
     bar = tqdm(sizes, desc="economics", unit="batch size")
     for size in bar:
@@ -293,8 +317,13 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
         if need > cfg.memory_fraction * free:
             skipped[str(size)] = f"needs {need / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free (economics.memory_fraction={cfg.memory_fraction})"
             continue
+        if size in grid:
+            continue  # measured before a kill, with these weights and settings
         bar.set_postfix(batch=size)
         grid[size] = sweep.run_batch(size, factories, ks_by)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json(partial, {"key": key, "grid": grid, "row_accepts": sweep.row_accepts})
+    grid = {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}
     if not grid:
         raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
     plain = {b: grid[b]["plain"] for b in grid}
@@ -318,8 +347,8 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
         if name == draft_head.kind:
             summary["sglang"] = sglang_settings(summary["schedule"])
         result["drafters"][name] = summary
-    out_dir = Path(out) if out else economics_dir(recipe)
     write_economics_report(out_dir, result)
+    partial.unlink(missing_ok=True)
     head_summary = result["drafters"][draft_head.kind]
     return {"report": str(out_dir / "economics.md"), "schedule": head_summary["schedule"],
             "crossover_batch_size": head_summary["crossover_batch_size"], "best_k_at_batch_1": head_summary["low_batch"]["k"]}

@@ -419,40 +419,20 @@ def _render_mtp(r: dict) -> list[str]:
 
 
 def _render_economics(r: dict) -> list[str]:
+    from draftsmith.runtime.sweep import drafters_table, throughput_table
     e = r.get("economics")
     if not e:
         return []
-    names = list(e["drafters"])
-    lines = ["## Economics across load (issue #14)", "",
-             f"`draftsmith economics` on the demo recipe, {e['date']}, {e['machine']} ({e['dtype']}): the EAGLE-3 head next to "
-             f"prompt-lookup n-gram and a 2-layer draft model built by the target stage; {e['num_prompts']} held-out prompts, "
-             f"{e['max_new_tokens']} new tokens per row, greedy, K = speculative tokens per row (one chain), "
-             f"${e['gpu_hour_usd']}/h as the price in the cost columns (an illustration: this CPU has no GPU-hour price).", "",
-             "| drafter | c | best K at B=1 | tau | speedup B=1 predicted / measured | c* | crossover batch size | vLLM schedule | exact rows |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, d in e["drafters"].items():
-        low = d["low_batch"]
-        lines.append(f"| {name} | {d['c']:.3f} | {low['k']} | {low['tau']:.2f} | {low['predicted_walltime_factor']:.2f}x / "
-                     f"{low['measured_walltime_factor']:.2f}x | {low['break_even_c']:.3f} | {d['crossover_batch_size'] or 'none'} | "
-                     f"`{json.dumps(d['schedule'])}` | {d['exact_rows']}/{d['rows']} |")
-    lines += ["", "Output tokens/s at the best K per batch size (K; TPOT ms / TTFT ms), and $/1M output tokens:", "",
-              "| batch | plain | " + " | ".join(names) + " | $/Mtok plain | " + " | ".join(f"$/Mtok {n}" for n in names) + " |",
-              "|---" * (3 + 2 * len(names)) + "|"]
-    for b in e["batch_sizes"]:
-        p = e["plain"][str(b)]
-        row = [str(b), f"{p['tokens_per_s']:.0f} ({p['tpot_ms']:.1f} / {p['ttft_ms']:.0f})"]
-        for d in e["drafters"].values():
-            k = d["best_k"][str(b)]
-            c = d["cells"][str(b)].get(str(k)) if k else None
-            row.append(f"{c['tokens_per_s']:.0f} (K={k}; {c['tpot_ms']:.1f} / {c['ttft_ms']:.0f})" if c else "K=0: plain")
-        cost = [d.get("cost", {}).get(str(b)) for d in e["drafters"].values()]
-        row.append(f"{cost[0]['plain_usd_per_mtok']:.2f}" if cost and cost[0] else "-")
-        row += [f"{c['spec_usd_per_mtok']:.2f} (M {c['multiplier']:.2f})" if c else "-" for c in cost]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Drafting runs row by row (each drafter instance is batch 1) while verification is one batched forward, so "
-              "on this 2-core CPU the draft cost grows with the batch and the crossover comes early; the schedule above is "
-              "what this machine measured, and `make gpu-check` runs the same sweep briefly on a GPU.", ""]
-    return lines
+    return ["## Economics across load (issue #14)", "",
+            f"`draftsmith economics` on the demo recipe, {e['date']}, {e['machine']} ({e['dtype']}): the EAGLE-3 head next to "
+            f"prompt-lookup n-gram and a 2-layer draft model built by the target stage; {e['num_prompts']} held-out prompts, "
+            f"{e['max_new_tokens']} new tokens per row, greedy, K = speculative tokens per row (one chain), "
+            f"${e['gpu_hour_usd']}/h as the price in the cost columns (an illustration: this CPU has no GPU-hour price).", ""] + \
+        drafters_table(e) + ["", "Output tokens/s at the best K per batch size (K; TPOT ms / TTFT ms), and $/1M output tokens:", ""] + \
+        throughput_table(e) + [
+            "", "Drafting runs row by row (each drafter instance is batch 1) while verification is one batched forward, so "
+            "on this 2-core CPU the draft cost grows with the batch and the crossover comes early; the schedule above is "
+            "what this machine measured, and `make gpu-check` runs the same sweep briefly on a GPU.", ""]
 
 
 def _shortfalls(r: dict) -> list[str]:

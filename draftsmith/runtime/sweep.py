@@ -400,32 +400,48 @@ def _plots(out_dir: Path, result: dict) -> None:
     plt.close(fig)
 
 
+def drafters_table(result: dict) -> list[str]:
+    """One row per drafter: c, the low-batch figures, crossover, the vLLM schedule, exactness."""
+    lines = ["| drafter | c | best K at B=1 | tau | speedup B=1 predicted / measured | c* | crossover batch size | vLLM schedule | exact rows |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, d in result["drafters"].items():
+        low = d["low_batch"]
+        lines.append(f"| {name} | {d['c']:.3f} | {low['k']} | {low['tau']:.2f} | {low['predicted_walltime_factor']:.2f}x / "
+                     f"{low['measured_walltime_factor']:.2f}x | {low['break_even_c']:.3f} | {d['crossover_batch_size'] or 'none'} | "
+                     f"`{json.dumps(d['schedule'])}` | {d['exact_rows']}/{d['rows']} |")
+    return lines
+
+
+def throughput_table(result: dict) -> list[str]:
+    """Per batch size: tokens/s (TPOT / TTFT) of plain decoding and of each drafter at its best K; $/Mtok when priced."""
+    names = list(result["drafters"])
+    priced = result.get("gpu_hour_usd") is not None
+    header = ["batch", "plain"] + names + (["$/Mtok plain"] + [f"$/Mtok {n}" for n in names] if priced else [])
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for b in result["batch_sizes"]:
+        p = result["plain"][str(b)]
+        row = [str(b), f"{p['tokens_per_s']:.0f} ({p['tpot_ms']:.1f} / {p['ttft_ms']:.0f})"]
+        for d in result["drafters"].values():
+            k = d["best_k"][str(b)]
+            c = d["cells"][str(b)].get(str(k)) if k else None
+            row.append(f"{c['tokens_per_s']:.0f} (K={k}; {c['tpot_ms']:.1f} / {c['ttft_ms']:.0f})" if c else "K=0: plain")
+        if priced:
+            costs = [d["cost"][str(b)] for d in result["drafters"].values()]
+            row += [f"{costs[0]['plain_usd_per_mtok']:.2f}"] + [f"{c['spec_usd_per_mtok']:.2f} (M {c['multiplier']:.2f})" for c in costs]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def report_lines(result: dict) -> list[str]:
-    sizes = result["batch_sizes"]
     lines = ["# Economics report", "",
              f"- target `{result['target']}`, head `{result['head']}` ({result['kind']}) on {result['machine']} "
              f"({result['device']}, {result['dtype']}), {result['date']}",
              f"- {result['num_prompts']} prompts repeated to fill each batch, {result['max_new_tokens']} new tokens per row, greedy; "
-             f"K = speculative tokens per row (one chain); batch sizes {sizes}"
+             f"K = speculative tokens per row (one chain); batch sizes {result['batch_sizes']}"
              + (f"; skipped: {result['skipped_batch_sizes']}" if result["skipped_batch_sizes"] else ""), "",
-             "## Drafters side by side", "",
-             "| drafter | c | tau (B=1, best K) | best K (B=1) | speedup B=1 (predicted / measured) | c* | crossover batch size | exact rows |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, d in result["drafters"].items():
-        low = d["low_batch"]
-        lines.append(f"| {name} | {d['c']:.3f} | {low['tau']:.2f} | {low['k']} | {low['predicted_walltime_factor']:.2f}x / "
-                     f"{low['measured_walltime_factor']:.2f}x | {low['break_even_c']:.3f} | {d['crossover_batch_size'] or 'none'} "
-                     f"| {d['exact_rows']}/{d['rows']} |")
-    lines += ["", "## Output tokens/s (best K per drafter; TPOT / TTFT in ms)", "",
-              "| batch | plain | " + " | ".join(result["drafters"]) + " |", "|---" * (2 + len(result["drafters"])) + "|"]
-    for b in sizes:
-        p = result["plain"][str(b)]
-        row = [f"{b}", f"{p['tokens_per_s']:.0f} ({p['tpot_ms']:.1f} / {p['ttft_ms']:.0f})"]
-        for d in result["drafters"].values():
-            k = d["best_k"][str(b)]
-            cell = d["cells"][str(b)].get(str(k)) if k else None
-            row.append(f"K={k}: {cell['tokens_per_s']:.0f} ({cell['tpot_ms']:.1f} / {cell['ttft_ms']:.0f})" if cell else "K=0 (plain)")
-        lines.append("| " + " | ".join(row) + " |")
+             "## Drafters side by side", ""] + drafters_table(result)
+    lines += ["", "## Output tokens/s at the best K (TPOT / TTFT in ms)" + (f", $/1M output tokens at ${result['gpu_hour_usd']}/h"
+              if result.get("gpu_hour_usd") is not None else ""), ""] + throughput_table(result)
     for name, d in result["drafters"].items():
         lines += ["", f"### {name}", "", f"- vLLM: `--speculative-config '{json.dumps(d['vllm_speculative_config'])}'`"]
         if "sglang" in d:

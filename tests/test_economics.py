@@ -229,3 +229,34 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeyp
     assert card and f"--speculative-num-steps {k} " in text and json.dumps(data["drafters"]["eagle3"]["schedule"]) in text
     with pytest.raises(ValueError, match="economics.batch_sizes"):
         run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over, "economics.memory_fraction=1e-12"), out=str(tmp_path / "x"))
+
+
+def test_economics_bad_input_is_named(tmp_path):
+    """Recipe keys, prices and a draft model with another vocabulary each get an error naming them."""
+    from conftest import MICRO, micro_recipe
+    from draftsmith import recipe as recipe_mod
+    from draftsmith.runtime.baselines import check_shared_tokenizer
+    from draftsmith.runtime.sweep import run_economics
+    cases = {"economics.draft_model_embedded.hidden_size=32": "economics.draft_model_embedded needs",
+             "economics.batch_sizes=[0,4]": r"economics.batch_sizes=\[0, 4\]: expected batch sizes >= 1",
+             "economics.baselines=[medusa]": "economics.baselines: 'medusa' is not one of",
+             "economics.num_speculative_tokens=[-1]": "economics.num_speculative_tokens"}
+    for override, message in cases.items():
+        with pytest.raises(recipe_mod.RecipeError, match=message):
+            recipe_mod.load(MICRO, [override])
+    recipe = micro_recipe(tmp_path, tmp_path / "never-loaded")
+    with pytest.raises(ValueError, match="--gpu-hour-usd=-1.0"):
+        run_economics(recipe, gpu_hour_usd=-1.0)
+
+    class Vocab:
+        def __init__(self, words):
+            self.words = {w: i for i, w in enumerate(words)}
+
+        def get_vocab(self):
+            return self.words
+
+        def __len__(self):
+            return len(self.words)
+    check_shared_tokenizer(Vocab("abc"), Vocab("abc"), "economics.draft_model=x")
+    with pytest.raises(ValueError, match="economics.draft_model=x: this draft model's tokenizer differs"):
+        check_shared_tokenizer(Vocab("abc"), Vocab("acb"), "economics.draft_model=x")

@@ -266,84 +266,88 @@ def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: in
     return factories
 
 
-def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float | None = None,
-                  extra_usd_per_hour: float | None = None, out: str | None = None) -> dict:
-    from tqdm import tqdm
-
-    from draftsmith.heads.loading import load_head
-    from draftsmith.runtime.validate import (
-        _check_target,
-        _head_sha,
-        eos_ids,
-        validation_prompts,
-    )
-    from draftsmith.target.loading import load_target, load_tokenizer, pick_device
-    cfg = recipe.economics
+def _prices(cfg, gpu_hour_usd: float | None, extra_usd_per_hour: float | None) -> tuple[float | None, float]:
     usd = gpu_hour_usd if gpu_hour_usd is not None else cfg.gpu_hour_usd
     extra = extra_usd_per_hour if extra_usd_per_hour is not None else cfg.extra_usd_per_hour
     if (usd is not None and usd <= 0) or extra < 0:
         raise ValueError(f"--gpu-hour-usd={usd}, --extra-usd-per-hour={extra}: expected a positive price and a non-negative extra")
-    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
-    torch.manual_seed(recipe.seed)
-    model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
-    head_path = Path(head) if head else recipe.run_dir / "head"
-    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    draft_head = draft_head.to(device=device, dtype=model.dtype)
-    _check_target(meta, model, recipe)
-    if draft_head.config.get("draftsmith", {}).get("joint"):  # served on the fine-tuned target
-        from draftsmith.target.lora import merge_adapter
-        model = merge_adapter(model, head_path / "lora")
-    chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts)
-    prompts, domains = [p.to(device) for p, _ in chosen], [d for _, d in chosen]
-    ks = sorted({k for k in (cfg.num_speculative_tokens or range(recipe.validate.depth + 1)) if k > 0})
-    if not ks:
-        raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")
-    max_len = batch_max_len(prompts, cfg.max_new_tokens, max(ks) + 1)
-    layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
-    factories = _drafter_factories(recipe, draft_head, model, tokenizer, max_len, device)
-    ks_by, refused = {}, {}
-    for name, factory in factories.items():
-        ks_by[name], refused[name] = _usable_ks(name, factory, ks)
-    sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, device)
-    out_dir = Path(out) if out else economics_dir(recipe)
-    partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
-    key = {"head_sha256": _head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by}
+    return usd, extra
+
+
+def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, partial: Path, key: dict,
+                  memory_fraction: float) -> tuple[dict, dict]:
+    """{batch size: cells} for every size that fits in memory (and {size: why} for the others); each
+    measured size is saved to `partial`, and sizes a killed run saved under the same `key` are kept."""
+    from tqdm import tqdm
     grid, sweep.row_accepts = _load_partial(partial, key)
-    free, skipped = _free_memory_bytes(device), {}
-    sizes = sorted(set(cfg.batch_sizes))
+    free, skipped = _free_memory_bytes(sweep.device), {}
+    num_nodes = max(max(ks) for ks in ks_by.values()) + 1
     bar = tqdm(sizes, desc="economics", unit="batch size")
     for size in bar:
-        need = cache_bytes(model.config, size, max_len, max(ks) + 1, model.dtype)
-        if need > cfg.memory_fraction * free:
-            skipped[str(size)] = f"needs {need / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free (economics.memory_fraction={cfg.memory_fraction})"
+        need = cache_bytes(sweep.model.config, size, sweep.max_len, num_nodes, sweep.model.dtype)
+        if need > memory_fraction * free:
+            skipped[str(size)] = f"needs {need / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free (economics.memory_fraction={memory_fraction})"
             continue
         if size in grid:
             continue  # measured before a kill, with these weights and settings
         bar.set_postfix(batch=size)
         grid[size] = sweep.run_batch(size, factories, ks_by)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
         artifacts.write_json(partial, {"key": key, "grid": grid, "row_accepts": sweep.row_accepts})
-    grid = {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}
+    return {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}, skipped
+
+
+def _drafter_summary(name: str, factory, sweep: Sweep, grid: dict, ks: list[int], usd, extra, model_path: str, cfg) -> dict:
+    """What the report says of one drafter: c, the low-batch figures, schedule, cost, alpha per domain."""
+    plain = {b: grid[b]["plain"] for b in grid}
+    cells = {b: grid[b][name] for b in grid}
+    c = draft_cost(factory(max(ks)), sweep.model, sweep.layer_ids, sweep.prompts[0], sweep.max_len)
+    summary = summarize(name, cells, plain, c, usd, extra)
+    per_domain = {}
+    for domain, accepts in sorted(sweep.row_accepts.get(name, {}).items()):
+        tau = sum(a + 1 for a in accepts) / max(len(accepts), 1)
+        per_domain[domain] = {"tau": tau, "k": max(ks), "alpha_iid": econ.alpha_from_tau(tau, max(ks))}
+    summary.update(kind=name, per_domain=per_domain, cells={str(b): {str(k): v for k, v in cells[b].items()} for b in cells},
+                   vllm_speculative_config=vllm_config(name, name, summary["schedule"], model_path, cfg))
+    return summary
+
+
+def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float | None = None,
+                  extra_usd_per_hour: float | None = None, out: str | None = None) -> dict:
+    from draftsmith.runtime.validate import _head_sha, eos_ids, load_target_and_head, validation_prompts
+    cfg = recipe.economics
+    usd, extra = _prices(cfg, gpu_hour_usd, extra_usd_per_hour)
+    model, tokenizer, draft_head, _, head_path = load_target_and_head(recipe, head)
+    if draft_head.config.get("draftsmith", {}).get("joint"):  # served on the fine-tuned target
+        from draftsmith.target.lora import merge_adapter
+        model = merge_adapter(model, head_path / "lora")
+    chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts)
+    prompts, domains = [p.to(model.device) for p, _ in chosen], [d for _, d in chosen]
+    ks = sorted({k for k in (cfg.num_speculative_tokens or range(recipe.validate.depth + 1)) if k > 0})
+    if not ks:
+        raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")
+    max_len = batch_max_len(prompts, cfg.max_new_tokens, max(ks) + 1)
+    layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
+    factories = _drafter_factories(recipe, draft_head, model, tokenizer, max_len, model.device)
+    ks_by, refused = {}, {}
+    for name, factory in factories.items():
+        ks_by[name], refused[name] = _usable_ks(name, factory, ks)
+    sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, model.device)
+    out_dir = Path(out) if out else economics_dir(recipe)
+    partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
+    key = {"head_sha256": _head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by}
+    grid, skipped = _measure_grid(sweep, sorted(set(cfg.batch_sizes)), factories, ks_by, partial, key, cfg.memory_fraction)
     if not grid:
         raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
-    plain = {b: grid[b]["plain"] for b in grid}
-    result = {"target": recipe.target.model, "head": str(head_path), "head_sha256": _head_sha(head_path), "kind": draft_head.kind,
-              "settings_hash": _settings_hash(recipe),
-              "device": str(device), "machine": machine_name(device), "dtype": str(model.dtype),
-              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": cfg.max_new_tokens, "num_prompts": len(prompts),
-              "batch_sizes": sorted(grid), "skipped_batch_sizes": skipped, "num_speculative_tokens": ks,
-              "gpu_hour_usd": usd, "extra_usd_per_hour": extra, "plain": {str(b): c for b, c in plain.items()}, "drafters": {}}
+    result = {"target": recipe.target.model, "head": str(head_path), "head_sha256": key["head_sha256"], "kind": draft_head.kind,
+              "settings_hash": key["settings_hash"], "device": str(model.device), "machine": machine_name(model.device),
+              "dtype": str(model.dtype), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": cfg.max_new_tokens,
+              "num_prompts": len(prompts), "batch_sizes": sorted(grid), "skipped_batch_sizes": skipped, "num_speculative_tokens": ks,
+              "gpu_hour_usd": usd, "extra_usd_per_hour": extra, "plain": {str(b): grid[b]["plain"] for b in grid}, "drafters": {}}
     for name, factory in factories.items():
-        cells = {b: grid[b][name] for b in grid}
-        c = draft_cost(factory(max(ks_by[name])), model, layer_ids, prompts[0], max_len)
-        summary = summarize(name, cells, plain, c, usd, extra)
-        gamma = max(ks_by[name])
-        summary["per_domain"] = {d: {"tau": sum(a + 1 for a in acc) / max(len(acc), 1), "k": gamma,
-                                     "alpha_iid": econ.alpha_from_tau(sum(a + 1 for a in acc) / max(len(acc), 1), gamma)}
-                                 for d, acc in sorted(sweep.row_accepts.get(name, {}).items())}
         model_path = str(recipe.run_dir / "export" / "vllm") if name == draft_head.kind else (cfg.draft_model or "")
-        summary.update(kind=name, refused_k=refused[name], cells={str(b): {str(k): v for k, v in cells[b].items()} for b in cells},
-                       vllm_speculative_config=vllm_config(name, name, summary["schedule"], model_path, cfg))
+        summary = _drafter_summary(name, factory, sweep, grid, ks_by[name], usd, extra, model_path, cfg)
+        summary["refused_k"] = refused[name]
         if name == draft_head.kind:
             summary["sglang"] = sglang_settings(summary["schedule"])
         result["drafters"][name] = summary

@@ -167,22 +167,28 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
     return per_draft_step / ((time.perf_counter() - start) / repeats)
 
 
-def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
+def load_target_and_head(recipe: Recipe, head: str | None):
+    """(target, tokenizer, head on the target's device and dtype, head metadata, head path) on
+    `validate.device`; the head must have been trained for this target."""
     from draftsmith.target.loading import load_target, load_tokenizer, pick_device
+    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    torch.manual_seed(recipe.seed)
+    model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
+    head_path = Path(head) if head else recipe.run_dir / "head"
+    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight,
+                                 model.get_output_embeddings().weight)
+    _check_target(meta, model, recipe)
+    return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
+
+
+def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
     if recipe is None:
         raise ValueError("validate needs --recipe (for the held-out prompts and decoding settings)")
     if target:
         recipe.target.model = target
     cfg = recipe.validate
-    device = pick_device() if cfg.device == "auto" else torch.device(cfg.device)
-    torch.manual_seed(recipe.seed)
-    model = load_target(recipe, device)
-    tokenizer = load_tokenizer(recipe)
-    head_path = Path(head) if head else recipe.run_dir / "head"
-    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight,
-                                 model.get_output_embeddings().weight)
-    draft_head = draft_head.to(device=device, dtype=model.dtype)
-    _check_target(meta, model, recipe)
+    model, tokenizer, draft_head, meta, head_path = load_target_and_head(recipe, head)
+    device = model.device
     eos = eos_ids(model, tokenizer)
     chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
     heldout = [p.to(device) for p, _ in chosen]

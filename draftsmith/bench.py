@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import recipe as recipe_mod
+from draftsmith.heads.hf_layout import drift_summary
 
 
 def machine() -> str:
@@ -54,8 +55,8 @@ def bench_capture(recipe_path: str, overrides: list[str], num_samples: int = 256
     from draftsmith.data import capture
     from draftsmith.data.prepare import load_train
     from draftsmith.heads.registry import capture_needs
-    from draftsmith.target.features import FeatureExtractor
-    from draftsmith.target.loading import load_target
+    from draftsmith.targets.features import FeatureExtractor
+    from draftsmith.targets.loading import load_target
     recipe = recipe_mod.load(recipe_path, overrides)
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe)
@@ -392,10 +393,7 @@ def _render_medusa(r: dict) -> list[str]:
     drift = (m.get("medusa2") or {}).get("drift")
     if drift:
         lines += ["", "Medusa-2 changes the served model. Drift of its fine-tuned target from the original on the same "
-                  f"{drift['num_prompts']} held-out prompts: greedy token agreement {drift['greedy_token_agreement']:.3f}, "
-                  f"identical outputs {drift['greedy_output_agreement']:.3f}, mean KL(original || fine-tuned) per token "
-                  f"{drift['mean_kl_per_token']:.5f}, held-out perplexity {drift['perplexity_original']:.3f} (original) -> "
-                  f"{drift['perplexity_finetuned']:.3f} (fine-tuned), over {drift['num_perplexity_conversations']} conversations."]
+                  f"{drift['num_prompts']} held-out prompts: {drift_summary(drift)}."]
     return lines + [""]
 
 

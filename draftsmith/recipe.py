@@ -120,6 +120,8 @@ class HeadConfig:
     loss_decay: float | None = None     # weight decay^i of step/head i; None: the kind's default (0.8; mtp: beta 0.6, normalised)
     intermediate_size: int | None = None
     fc_bias: bool | None = None         # eagle2: bias of fc; None: as the target family's published heads
+    layer: str | None = None            # eagle2: draft layer llama | target; None: the target's family where an
+                                        # engine's EAGLE-1 class holds it (llama, mistral, qwen2), else llama
     feature_weight: float = 1.0         # eagle2: SmoothL1 feature regression weight (EAGLE: 1.0)
     token_weight: float = 0.1           # eagle2: soft cross-entropy weight (EAGLE: 0.1)
     input_noise: float = 0.0            # eagle2: uniform feature noise width, x 512/seq_len (EAGLE: 0.2)

@@ -13,8 +13,8 @@ ORDER = ["target", "data", "capture", "train", "validate", "export"]
 
 
 def stage_target(recipe: Recipe, args=None):
-    from draftsmith.target import embedded
-    from draftsmith.target.loading import check_model_path
+    from draftsmith.targets import embedded
+    from draftsmith.targets.loading import check_model_path
     if recipe.target.embedded is None:
         from transformers import AutoConfig
         check_model_path(recipe.target.model)
@@ -58,12 +58,16 @@ def stage_validate(recipe: Recipe | None, args=None):
 
 
 def stage_export(recipe: Recipe | None, args=None):
+    """Every format asked for (`--to`, `export.formats`) must be written; without either, every format of
+    the kind is tried and those that cannot serve this head are listed as skipped with the reason."""
+    from draftsmith.heads.hf_layout import NotServable
     from draftsmith.runtime.export import export_head
     from draftsmith.train.trainer import head_dir
     if recipe is None and not getattr(args, "head", None):
         raise ValueError("export needs --head CKPT or --recipe R")
     head = getattr(args, "head", None) or str(head_dir(recipe))
     engines = [args.engine] if getattr(args, "engine", None) else (recipe.export.formats if recipe else None)
+    explicit = bool(engines)
     if not engines:  # every engine the head's kind exports to
         from draftsmith.heads.registry import head_spec
         meta = artifacts.read_json(Path(head) / "head.json")
@@ -72,11 +76,17 @@ def stage_export(recipe: Recipe | None, args=None):
     dtype = recipe.export.dtype if recipe else "bf16"
     chosen_out = getattr(args, "out", None) if len(engines) == 1 else None  # --out names one engine's folder
     base = Path(recipe.run_dir) if recipe else Path(head).parent
-    written = {}
+    written, skipped = {}, {}
     for engine in engines:
-        written[engine] = export_head(head, engine, chosen_out or str(base / "export" / engine), dtype=dtype,
-                                      allow_unvalidated=bool(getattr(args, "allow_unvalidated", False)))
-    return written
+        try:
+            written[engine] = export_head(head, engine, chosen_out or str(base / "export" / engine), dtype=dtype,
+                                          allow_unvalidated=bool(getattr(args, "allow_unvalidated", False)))
+        except NotServable as exc:
+            if explicit:
+                raise
+            skipped[engine] = str(exc)
+            print(f"[draftsmith] export --to {engine}: skipped: {exc}", flush=True)
+    return written | ({"skipped": skipped} if skipped else {})
 
 
 def stage_economics(recipe: Recipe, args=None):
@@ -92,12 +102,12 @@ STAGE_FUNCS = {"target": stage_target, "data": stage_data, "capture": stage_capt
 def is_current(stage: str, recipe: Recipe) -> bool:
     """A stage is current when its manifest exists, is complete and was made from these inputs."""
     from draftsmith.data import capture, prepare
-    from draftsmith.target.loading import target_fingerprint
+    from draftsmith.targets.loading import target_fingerprint
     from draftsmith.train.trainer import head_dir, train_inputs_hash
     if stage == "target":
         if recipe.target.embedded is None:
             return True
-        from draftsmith.target.embedded import embedded_inputs_hash
+        from draftsmith.targets.embedded import embedded_inputs_hash
         return artifacts.stage_is_current(recipe.target.model, "target", embedded_inputs_hash(recipe))
     if stage == "data":
         current = artifacts.stage_is_current(prepare.data_dir(recipe), "data", prepare.inputs_hash(recipe))
@@ -115,7 +125,7 @@ def is_current(stage: str, recipe: Recipe) -> bool:
 
 
 def run_all(recipe: Recipe) -> str:
-    started, forced, timings = time.perf_counter(), False, {}
+    started, forced, timings, exported = time.perf_counter(), False, {}, None
     for stage in ORDER:
         if not forced and is_current(stage, recipe):
             print(f"[draftsmith] {stage}: up to date (manifest matches the recipe), skipped", flush=True)
@@ -125,13 +135,14 @@ def run_all(recipe: Recipe) -> str:
         if stage == "train":
             from draftsmith.train.trainer import set_aside_stale
             set_aside_stale(recipe)
-        STAGE_FUNCS[stage](recipe)
+        result = STAGE_FUNCS[stage](recipe)
+        exported = result if stage == "export" else exported
         timings[stage] = round(time.perf_counter() - t0, 1)
         forced = True
-    return summary(recipe, timings, time.perf_counter() - started)
+    return summary(recipe, timings, time.perf_counter() - started, exported)
 
 
-def summary(recipe: Recipe, timings: dict, seconds: float) -> str:
+def summary(recipe: Recipe, timings: dict, seconds: float, exported: dict | None = None) -> str:
     """The headline numbers and where every artifact is."""
     from draftsmith.data.capture import capture_dir
     from draftsmith.data.prepare import data_dir
@@ -153,6 +164,9 @@ def summary(recipe: Recipe, timings: dict, seconds: float) -> str:
         lines.append(f"  tau {v['tau']:.2f} tokens/forward | speedup {v['speedup_vs_plain']:.2f}x vs plain, "
                      f"{v['speedup_vs_hf_generate']:.2f}x vs HF generate | greedy exact: {v['exact_match']} "
                      f"| passed: {v['passed']}")
+    if exported:
+        lines.append(f"  exported    {', '.join(k for k in exported if k != 'skipped') or 'nothing'}")
+        lines += [f"  skipped     {engine}: {why}" for engine, why in exported.get("skipped", {}).items()]
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
-from draftsmith.target.features import FeatureExtractor
+from draftsmith.targets.features import FeatureExtractor
 
 
 def build(dtype, device="cuda"):

@@ -35,7 +35,7 @@ def session_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def micro_target(session_dir) -> Path:
-    from draftsmith.target.embedded import build_embedded_target
+    from draftsmith.targets.embedded import build_embedded_target
     target_dir = session_dir / "targets" / "micro"
     recipe = micro_recipe(session_dir / "runs", target_dir)
     build_embedded_target(recipe, target_dir, recipe.data.heldout_fraction)

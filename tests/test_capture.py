@@ -15,7 +15,7 @@ from draftsmith.data.prepare import load_train, run_data
 from draftsmith.data import records
 from draftsmith.data.store import CaptureStore
 from draftsmith.heads.registry import capture_needs
-from draftsmith.target import features
+from draftsmith.targets import features
 
 
 def _independent_features(model_dir, input_ids, layer_ids):
@@ -31,7 +31,7 @@ def _independent_features(model_dir, input_ids, layer_ids):
 
 def _trainer_view(store: CaptureStore, recipe, indices: list[int]) -> dict:
     """Samples as the trainer sees them: collated, and a compact store's features rebuilt."""
-    from draftsmith.target.loading import load_target_layers
+    from draftsmith.targets.loading import load_target_layers
     from draftsmith.train.batches import collate
     batch = collate([store[i] for i in indices], 10**6)
     if store.manifest["recompute"]:
@@ -108,7 +108,7 @@ def test_compact_store_needs_the_kept_layers_weights(tmp_path, micro_target):
     """A weight file without a layer the trainer must run: a clear error naming the file, the tensor and the way out."""
     import shutil
     from safetensors.torch import load_file, save_file
-    from draftsmith.target.loading import load_target_layers
+    from draftsmith.targets.loading import load_target_layers
     target = shutil.copytree(micro_target, tmp_path / "target")
     weights = load_file(target / "model.safetensors")
     del weights["model.layers.6.mlp.up_proj.weight"]

@@ -151,7 +151,7 @@ def test_hf_datasets_source(tmp_path, micro_target):
 
 
 def test_stdlib_split_is_by_module(micro_target, tmp_path):
-    from draftsmith.target import stdlib
+    from draftsmith.targets import stdlib
     from draftsmith.data.prepare import collect
     recipe = _recipe(tmp_path, micro_target, "data.builtin=stdlib", "data.max_conversations=null")
     train, heldout, _ = collect(recipe, conv.SkipCounter())

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from conftest import target_config, two_token_total_variation
 
@@ -61,11 +61,28 @@ def test_trainable_parameters_for_llama3_8b_match_reference_count():
 def test_the_decoder_layer_is_the_target_familys(arch):
     config = AutoConfig.for_model(arch, vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    head = Eagle2Head.from_target(config, HeadConfig(kind="eagle2"), [])
+    head = Eagle2Head.from_target(config, HeadConfig(kind="eagle2", layer="target"), [])
     assert type(head.layers[0]).__name__.lower().startswith(arch)
     names = set(head.trainable_state())
     assert ("layers.0.self_attn.q_proj.bias" in names) == (arch == "qwen2")      # Qwen2's qkv bias
     assert ("layers.0.self_attn.q_norm.weight" in names) == (arch == "qwen3")    # Qwen3's q/k norms
+
+
+@pytest.mark.parametrize("arch, default", [("llama", "llama"), ("mistral", "mistral"), ("qwen2", "qwen2"),
+                                           ("qwen3", "llama"), ("gemma", "llama"), ("phi3", "llama")])
+def test_the_default_draft_layer_is_one_an_engine_holds(arch, default):
+    """No engine's EAGLE-1 class holds a Qwen3, Gemma or Phi layer: those targets get a Llama layer of
+    their sizes (SiLU, no biases), as the EAGLE reference builds; head.layer overrides either way."""
+    config = AutoConfig.for_model(arch, vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    head = Eagle2Head.from_target(config, HeadConfig(kind="eagle2"), [])
+    assert head.config["model_type"] == default and head.config["draftsmith"]["target_model_type"] == arch
+    assert type(head.layers[0]).__name__.lower().startswith(default)
+    assert head.layers[0].self_attn.q_proj.weight.shape == (4 * 16, 32)          # the target's head_dim kept
+    llama = Eagle2Head.from_target(config, HeadConfig(kind="eagle2", layer="llama"), [])
+    assert type(llama.layers[0]).__name__ == "LlamaDecoderLayer" and llama.config["hidden_act"] == "silu"
+    with pytest.raises(ValueError, match="head.layer='gpt2'"):
+        Eagle2Head.from_target(config, HeadConfig(kind="eagle2", layer="gpt2"), [])
 
 
 # ---------------------------------------------------------------- the loss
@@ -245,7 +262,8 @@ def test_exports_follow_the_engines_rules(exported):
     sg, vl = (json.loads((paths[e] / "config.json").read_text()) for e in ("sglang", "vllm"))
     sg_t, vl_t = load_file(paths["sglang"] / "model.safetensors"), load_file(paths["vllm"] / "model.safetensors")
     assert sg["architectures"] == ["LlamaForCausalLMEagle"] and sg["num_hidden_layers"] == 1
-    assert vl["architectures"] == ["LlamaForCausalLM"] and vl["model_type"] == "llama" and not vl["bias"]
+    assert vl["architectures"] == ["LlamaForCausalLM"] and vl["model_type"] == "llama"
+    assert "bias" not in vl and "bias" not in sg and vl["dtype"] == vl["torch_dtype"] == "float32"
     published = set(LAYOUTS["eagle1__yuhuili__EAGLE-LLaMA3-Instruct-8B"]["tensors"]) - {"embed_tokens.weight"}
     assert set(vl_t) == published                             # the yuhuili Llama-3 layout exactly
     assert set(sg_t) == published | {"fc.bias"} and not sg_t["fc.bias"].any()   # SGLang's fc always has a bias
@@ -269,7 +287,7 @@ def _independent_chain_decode(model, export_dir: Path, prompt: torch.Tensor, max
     cfg = json.loads((export_dir / "config.json").read_text())
     w = load_file(export_dir / "model.safetensors")
     H, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = H // heads
+    d = cfg.get("head_dim") or H // heads
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
     def rms(x, weight):
@@ -289,7 +307,7 @@ def _independent_chain_decode(model, export_dir: Path, prompt: torch.Tensor, max
         v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(T, kv, d).transpose(0, 1)
         k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(d) + torch.full((T, T), float("-inf")).triu(1)
-        h = x + (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(T, H) @ w["layers.0.self_attn.o_proj.weight"].T
+        h = x + (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(T, heads * d) @ w["layers.0.self_attn.o_proj.weight"].T
         m = rms(h, w["layers.0.post_attention_layernorm.weight"])
         mlp = (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T))
         return h + mlp @ w["layers.0.mlp.down_proj.weight"].T
@@ -334,6 +352,61 @@ def test_exported_head_decoded_independently_matches_the_runtime(tiny_target, ex
         assert ours.accept_lengths[:n - 1] == accepted[:n - 1]   # the last round may be cut by the token limit
         total_accepted += sum(accepted)
     assert total_accepted > 0                                     # the distilled head is right some of the time
+
+
+@pytest.fixture(scope="module")
+def qwen3_target():
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                                  eos_token_id=None, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return model, TargetRunner(model, 256, [])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_llama_draft_layer_on_a_qwen3_target_is_served_by_both_engines(qwen3_target, engine, tmp_path):
+    """A Qwen3 target gets a Llama draft layer by default: exported for each engine's Llama EAGLE class,
+    read back, and decoded from the exported files by the independent decoder with the runtime's tau."""
+    model, runner = qwen3_target
+    head = _self_distilled_head(model, steps=150)
+    assert head.config["model_type"] == "llama" and type(head.layers[0]).__name__ == "LlamaDecoderLayer"
+    config, tensors = formats.ADAPTERS[engine](head.trainable_state(), head.draft_config(), "fp32")
+    assert config["architectures"] == [{"sglang": "LlamaForCausalLMEagle", "vllm": "LlamaForCausalLM"}[engine]]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    back, _ = load_head(tmp_path, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    assert back.config["model_type"] == "llama" and back.config["draftsmith"]["target_model_type"] == "qwen3"
+    depth, ours_accepted, theirs_accepted = 4, [], []
+    drafter = Eagle2Drafter(back, 256, TreeConfig(depth, 1, depth + 1))
+    for seed in range(3):
+        prompt = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(100 + seed))
+        ours = speculative_generate(runner, drafter, prompt, 20, GREEDY, set())
+        theirs, accepted = _independent_chain_decode(model, tmp_path, prompt, 20, depth)
+        assert ours.tokens == plain_generate(runner, prompt, 20, GREEDY, set()).tokens == theirs
+        n = len(ours.accept_lengths)
+        ours_accepted += ours.accept_lengths[:n - 1]
+        theirs_accepted += accepted[:n - 1]
+    assert ours_accepted == theirs_accepted and sum(ours_accepted) > 0   # the same tau, and not a trivial one
+
+
+def test_export_skips_formats_that_cannot_serve_the_head_unless_asked_for(qwen3_target, tmp_path):
+    """`draftsmith run` (no --to, no export.formats) writes the formats that apply and lists the others as
+    skipped with the reason; an explicit --to that cannot be served still stops with that message."""
+    import argparse
+    from draftsmith import artifacts
+    from draftsmith.heads.hf_layout import NotServable
+    from draftsmith.stages import stage_export
+    model, _ = qwen3_target
+    head = Eagle2Head(draft_config_from_target(model.config, layer="target"))     # a Qwen3 layer: no engine class
+    meta = {"kind": "eagle2", "target_id": "qwen3-target", "layer_ids": [], "draft_config": head.config, "step": 1}
+    artifacts.save_checkpoint(tmp_path / "head", head.trainable_state(), meta)
+    args = argparse.Namespace(head=str(tmp_path / "head"), allow_unvalidated=True, engine=None, out=None)
+    written = stage_export(None, args)
+    assert set(written) == {"skipped"} and set(written["skipped"]) == {"sglang", "vllm"}
+    assert all("head.layer=llama" in why for why in written["skipped"].values())
+    with pytest.raises(NotServable, match="head.layer=llama"):
+        stage_export(None, argparse.Namespace(**vars(args) | {"engine": "sglang"}))
 
 
 def test_published_eagle1_layout_imports_for_validation_and_fine_tuning(tiny_target, exported, tmp_path):

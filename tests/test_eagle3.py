@@ -157,7 +157,7 @@ def test_import_rules():
 
     assert imports(root / "recipe.py") == set()
     for path in (root / "heads").rglob("*.py"):
-        assert all(n.startswith(("draftsmith.heads", "draftsmith.target", "draftsmith.recipe", "draftsmith.artifacts"))
+        assert all(n.startswith(("draftsmith.heads", "draftsmith.targets", "draftsmith.recipe", "draftsmith.artifacts"))
                    for n in imports(path)), path
     for path in (root / "data").rglob("*.py"):
         assert not any(n.startswith(("draftsmith.heads", "draftsmith.train")) for n in imports(path)), path

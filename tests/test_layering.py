@@ -1,5 +1,5 @@
 """The package's layers (STYLE.md), enforced from the imports themselves, function-level ones too:
-(1) recipe, artifacts; (2) target/; (3) data/ and heads/, which do not import each other; (4) train/
+(1) recipe, artifacts; (2) targets/; (3) data/ and heads/, which do not import each other; (4) train/
 and runtime/, which do not import each other; (5) stages, cli, bench. A module imports only from
 lower layers (or its own package); a heads/<kind> never imports another kind."""
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "draftsmith"
-LAYERS = {"recipe": 1, "artifacts": 1, "target": 2, "data": 3, "heads": 3, "train": 4, "runtime": 4,
+LAYERS = {"recipe": 1, "artifacts": 1, "targets": 2, "data": 3, "heads": 3, "train": 4, "runtime": 4,
           "stages": 5, "cli": 5, "bench": 5}
 KINDS = {p.name for p in (PACKAGE / "heads").iterdir() if (p / "__init__.py").exists()}  # heads/<kind>/ packages;
 # the modules directly in heads/ (registry, drafting, tree, family, ttt, ...) are shared by every kind
@@ -65,7 +65,7 @@ def test_no_module_imports_upward_or_sideways():
 
 
 @pytest.mark.parametrize("importer, imported, ok", [
-    ("draftsmith.target.loading", "draftsmith.data.capture", False),      # upward
+    ("draftsmith.targets.loading", "draftsmith.data.capture", False),      # upward
     ("draftsmith.data.capture", "draftsmith.heads.registry", False),      # peers
     ("draftsmith.runtime.validate", "draftsmith.train.trainer", False),   # peers
     ("draftsmith.heads.eagle2.model", "draftsmith.heads.eagle3.loss", False),
@@ -87,3 +87,14 @@ def test_function_level_and_relative_imports_are_seen():
     source = "def f():\n    from draftsmith.train.trainer import Trainer\nfrom .capture import x\n"
     assert sorted(imports_of(source, "draftsmith.data.store")) == [
         "draftsmith.data.capture", "draftsmith.data.capture.x", "draftsmith.train.trainer", "draftsmith.train.trainer.Trainer"]
+
+
+# Directory names that GitHub's Python .gitignore template ignores (PyBuilder's target/, distribution and
+# packaging folders, virtual environments): a fork made with that template would silently lose such a package.
+PYTHON_GITIGNORE_DIRS = {"target", "build", "dist", "develop-eggs", "downloads", "eggs", ".eggs", "lib", "lib64",
+                         "parts", "sdist", "var", "wheels", "env", "venv", ".venv", "ENV", "htmlcov", "site"}
+
+
+def test_no_package_folder_is_ignored_by_the_python_gitignore_template():
+    folders = {p.name for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"} | {PACKAGE.name}
+    assert not folders & PYTHON_GITIGNORE_DIRS

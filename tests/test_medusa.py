@@ -288,6 +288,36 @@ def test_exports_read_back_by_engine_rules_and_import_round_trip(tmp_path, layer
         export_head(str(ckpt), "merged-target", str(tmp_path / "merged"), allow_unvalidated=True)
 
 
+def test_medusa2_exports_point_engines_at_the_fine_tuned_target(tmp_path):
+    """Every place an engine reads the base model (FasterDecoding's base_model_name_or_path, the serve lines)
+    names the merged fine-tuned target written beside the heads, never the original target."""
+    from draftsmith.runtime.export import export_head
+    head = _trained_like(MedusaHead(_config(heads=3, lora=LoraJointConfig(rank=4)), init_from_target=True))
+    head.load_target_weights(None, torch.randn(V, H))
+    ckpt = _checkpoint(tmp_path, head, "original-target")
+    export = tmp_path / "export"
+    for engine in ("fasterdecoding", "vllm"):
+        out = export_head(str(ckpt), engine, str(export / engine), dtype="fp32", allow_unvalidated=True)
+        card = (export / engine / "README.md").read_text()
+        assert str(export / "merged-target") in out["serve"] and "original-target" not in out["serve"]
+        assert "original-target" not in card.split("## Serve")[1]
+    config = json.loads((export / "fasterdecoding" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == str(export / "merged-target")
+    medusa1 = _checkpoint(tmp_path / "m1", _trained_like(MedusaHead(_config(heads=3), init_from_target=True)), "original-target")
+    out = export_head(str(medusa1), "fasterdecoding", str(tmp_path / "m1" / "fd"), dtype="fp32", allow_unvalidated=True)
+    assert "original-target" in out["serve"]                                   # Medusa-1 serves the original
+
+
+def test_a_heads_only_stage_as_long_as_the_run_is_refused_naming_both_numbers():
+    """heads_only_steps >= the run's optimizer steps: stage 2 (the adapters) would never start and the run
+    would end as Medusa-1 calling itself Medusa-2."""
+    from draftsmith.train.joint import heads_only_steps
+    with pytest.raises(ValueError, match=r"heads_only_steps=400 but the run has 380 optimizer steps"):
+        heads_only_steps(LoraJointConfig(heads_only_steps=400), 380)
+    assert heads_only_steps(LoraJointConfig(heads_only_steps=100), 380) == 100
+    assert heads_only_steps(LoraJointConfig(), 380) == 126
+
+
 def test_import_published_layouts_with_understated_head_count(tmp_path):
     """FasterDecoding's medusa-vicuna-7b-v1.3 config says 2 heads while the file holds 5 (REFERENCE §3):
     the weights decide. A vLLM-layout head without biases imports as zero biases (the same function)."""
@@ -323,7 +353,7 @@ def test_import_published_layouts_with_understated_head_count(tmp_path):
 def test_joint_param_groups_stage_switch_and_state(micro_target):
     """Adapters learn nothing in stage 1 (lr 0, no gradient), the heads at 4x lr; checkpoints hold only
     heads + adapters; the KL term starts at zero (B = 0: adapted target == target)."""
-    from draftsmith.target.lora import attach_lora
+    from draftsmith.targets.lora import attach_lora
     from draftsmith.train.joint import JointModel, ramp
     from draftsmith.train.trainer import lr_lambda
     model = LlamaForCausalLM.from_pretrained(micro_target, dtype=torch.float32)
@@ -419,17 +449,35 @@ def test_medusa2_joint_training_resumes_exactly_across_stages_and_reports_drift(
     assert any(v.any() for k, v in adapter.items() if "lora_B" in k)            # stage 2 trained them
     result = run_validate(recipe)
     assert result["exact_match"]                                                 # exact against the fine-tuned target
-    drift = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())["drift"]
+    validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+    drift = validation["drift"]
     assert 0 <= drift["greedy_token_agreement"] <= 1 and drift["mean_kl_per_token"] >= 0
     assert drift["perplexity_original"] > 1 and drift["perplexity_finetuned"] > 1
+    assert 0 <= drift["teacher_forced_top1_agreement"] <= 1                  # not positional on free-running outputs
+    assert len(drift["first_divergence_per_prompt"]) == drift["num_prompts"]
     import argparse
     written = stage_export(recipe, argparse.Namespace(allow_unvalidated=False))
     assert set(written) == {"vllm", "fasterdecoding", "merged-target", "lora"}
     from peft import PeftModel
-    merged = LlamaForCausalLM.from_pretrained(written["merged-target"]["out"], dtype=torch.float32)
+    from draftsmith.targets.lora import merge_adapter
+    merged = LlamaForCausalLM.from_pretrained(written["merged-target"]["out"])
+    assert merged.dtype == torch.float32 and validation["dtype"] == "torch.float32"   # the dtype validated, not bf16
+    validated = merge_adapter(LlamaForCausalLM.from_pretrained(micro_target, dtype=torch.float32), head_dir(recipe) / "lora")
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), validated.state_dict().values()))
     peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(micro_target, dtype=torch.float32),
                                      written["lora"]["out"]).eval()
     ids = torch.randint(0, merged.config.vocab_size, (1, 20))
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=1e-2, atol=2e-2)  # merged in bf16
-    assert "changes the served model" in (Path(written["vllm"]["out"]) / "README.md").read_text()
+        torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=1e-4, atol=1e-4)
+    card = (Path(written["vllm"]["out"]) / "README.md").read_text()
+    assert "changes the served model" in card and "saved in torch.float32" in card
+    assert json.loads((Path(written["fasterdecoding"]["out"]) / "config.json").read_text())[
+        "base_model_name_or_path"] == written["merged-target"]["out"]
+    # validation prompts without answers: perplexity is not measured, and says so (never a made-up 1.0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
+    recipe.validate.prompts, recipe.validate.num_prompts = str(prompts), 3
+    run_validate(recipe)
+    drift = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())["drift"]
+    assert drift["perplexity_original"] is None and drift["num_perplexity_conversations"] == 0
+    assert "perplexity: not measured" in (recipe.run_dir / "validate" / "report.md").read_text()

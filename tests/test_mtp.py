@@ -102,6 +102,40 @@ def test_one_step_loss_is_the_module_written_out():
     torch.testing.assert_close(three, sum(w * metrics[f"loss_{i}"] for i, w in enumerate(step_weights(3, 0.6))))
 
 
+def test_a_fresh_module_on_deepseek_v3_is_finite_and_trains():
+    """A standalone DeepSeek-V3 decoder layer leaves its packed experts as torch.empty (NaN or ~1e35): every
+    parameter of a fresh MTP block is set explicitly, so the first loss and its gradients are finite."""
+    from draftsmith.runtime.validate import non_finite_tensors
+    model = _target(deepseek_v3())
+    for seed in range(3):   # torch.empty's garbage differs run to run: several fresh heads
+        torch.manual_seed(seed)
+        head = MTPHead(draft_config_from_target(model.config), ttt_steps=2)
+        assert non_finite_tensors(head) == []
+        assert head.modules_[0].block.mlp.experts.gate_up_proj.abs().max() < 1      # N(0, initializer_range)
+        head.load_target_weights(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+        ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        batch = {"input_ids": ids, "aux": out.hidden_states[-1], "position_ids": torch.arange(10).expand(2, 10),
+                 "target_probs": torch.softmax(out.logits, -1), "target_valid": torch.ones(2, 10, dtype=torch.bool),
+                 "target_argmax": out.logits.argmax(-1)}
+        loss, _ = mtp_loss(head, batch)
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None)
+
+
+def test_a_head_with_non_finite_tensors_is_never_exported(tmp_path):
+    from draftsmith.runtime.export import export_head
+    model = _target(deepseek_v3())
+    head = _head(model)
+    with torch.no_grad():
+        head.modules_[0].eh_proj.weight[0, 0] = float("nan")
+    ckpt = _checkpoint(tmp_path, head, _save_target(tmp_path, model))
+    with pytest.raises(artifacts.ArtifactError, match=r"non-finite .*modules_.0.eh_proj.weight"):
+        export_head(str(ckpt), "speculators", str(tmp_path / "spec"), allow_unvalidated=True)
+    assert not (tmp_path / "spec").exists()
+
+
 def test_the_runtime_feeds_the_final_hidden_state_after_the_norm():
     """What the engines feed (vLLM: DeepseekV2Model returns self.norm(h, residual)): HF hidden_states[-1]."""
     model = _target(deepseek_v3())
@@ -243,7 +277,28 @@ def test_nextn_is_refused_for_families_the_engines_do_not_serve(tmp_path):
     with pytest.raises(ValueError, match="NextN drafts serve"):
         export_head(str(ckpt), "nextn", str(tmp_path / "x"), allow_unvalidated=True)
     out = export_head(str(ckpt), "speculators", str(tmp_path / "spec"), allow_unvalidated=True)
-    assert "draftsmith's runtime" in (Path(out["out"]) / "README.md").read_text()
+    card = (Path(out["out"]) / "README.md").read_text()
+    assert "draftsmith's runtime" in card and "vllm serve" not in card and "sglang" not in card.split("## Serve")[1]
+    assert "vLLM's MTP rules" in card                       # which engine's rules the tau was measured under
+
+
+def test_speculators_config_proposes_the_validated_depth(tmp_path):
+    """The card's K and the speculators config's speculative_tokens are the validated depth, not a fixed 3."""
+    from draftsmith.runtime.export import export_head
+    model = _target(deepseek_v3())
+    ckpt = _checkpoint(tmp_path, _head(model), _save_target(tmp_path, model))
+    validation = {"head_sha256": artifacts.sha256_file(ckpt / "model.safetensors"), "target": str(tmp_path / "target"),
+                  "passed": True, "tau": 2.5, "exact_match": True, "num_exact": 4, "num_prompts": 4, "speedup_vs_plain": 0.9,
+                  "acceptance_per_depth": [0.6, 0.4, 0.3, 0.2, 0.1], "device": "cpu", "dtype": "torch.float32",
+                  "tree": {"depth": 5, "top_k": 1, "num_nodes": 6}}
+    (ckpt / "validation.json").write_text(json.dumps(validation))
+    out = export_head(str(ckpt), "speculators", str(tmp_path / "spec"), dtype="fp32")
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    card = (Path(out["out"]) / "README.md").read_text()
+    assert "slower than plain decoding" in card and 'color:red' in card           # speedup 0.9 said in red
+    nextn = export_head(str(ckpt), "nextn", str(tmp_path / "nextn"), dtype="fp32")
+    assert "--speculative-num-steps 5" in nextn["serve"]
 
 
 # ---------------------------------------------------------------- end to end on the micro target
@@ -273,6 +328,8 @@ def test_mtp_pipelines_post_hoc_and_joint(tmp_path, micro_target):
     assert run_validate(recipe)["exact_match"]
     written = stage_export(recipe, argparse.Namespace(allow_unvalidated=False))
     assert set(written) == {"nextn-full", "speculators"}
+    spec = json.loads((Path(written["speculators"]["out"]) / "config.json").read_text())
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3     # validate.depth
     assert "draftsmith's runtime" in (Path(written["speculators"]["out"]) / "README.md").read_text()
     joint = micro_recipe(tmp_path / "joint", micro_target, *MTP, "name=mtpj", "capture.mode=online",
                          "head.lora={rank: 4, alpha: 8, heads_only_steps: 2, heads_coefficient: 0.3}")
@@ -282,6 +339,10 @@ def test_mtp_pipelines_post_hoc_and_joint(tmp_path, micro_target):
     assert run_validate(joint)["exact_match"]
     drift = json.loads((joint.run_dir / "validate" / "validation.json").read_text())["drift"]
     assert drift["perplexity_finetuned"] > 1 and 0 <= drift["greedy_token_agreement"] <= 1
+    assert 0 <= drift["teacher_forced_top1_agreement"] <= 1
+    written = stage_export(joint, argparse.Namespace(allow_unvalidated=False))
+    spec = json.loads((Path(written["speculators"]["out"]) / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == written["nextn-full"]["out"]  # the fine-tuned target
 
 
 @pytest.mark.parametrize("layout", ["mimo", "qwen3_next"])

@@ -103,6 +103,26 @@ def test_resume_refuses_checkpoints_of_another_recipe(captured, tmp_path):
         build_trainer(recipe).resume()
 
 
+def test_a_non_finite_loss_stops_training_naming_the_step(captured, tmp_path):
+    """A head whose loss is NaN (a fresh block left uninitialised, say) stops at that step, before the update
+    or any checkpoint, instead of training NaN weights to the end."""
+    from draftsmith.train.run import build_trainer
+    recipe = _copy_run(captured, tmp_path)
+    recipe.train.max_steps, recipe.train.save_every = 3, 1
+    trainer = build_trainer(recipe)
+    batches = trainer.micro_batches()
+    trainer.train_step(next(batches))
+    head = trainer.accelerator.unwrap_model(trainer.model)
+    weight = head.fc.weight
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    before = weight.detach().clone()
+    with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step 0 \(micro step 1\)"):
+        trainer.train_step(next(batches))
+    assert torch.equal(weight.detach()[1:], before[1:])   # no update applied
+    assert not (head_dir(recipe) / "model.safetensors").exists()
+
+
 def test_online_mode_gives_the_offline_first_loss(captured, tmp_path):
     """Online mode runs the target in-process through the capture code path: same first loss
     (up to the bf16 rounding of the store)."""

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from draftsmith import artifacts
 from draftsmith.data.records import COMPRESSED, STORE_DTYPES, concat_shard, encode, encode_record, needed_length, sample_record
 from draftsmith.recipe import Recipe
-from draftsmith.target.features import CONVENTION, FeatureExtractor, FeatureNeeds
+from draftsmith.targets.features import CONVENTION, FeatureExtractor, FeatureNeeds
 
 
 def layer_ids_for(recipe: Recipe, num_layers: int, needs: FeatureNeeds) -> list[int]:
@@ -149,7 +149,7 @@ def capture_dir(recipe: Recipe) -> Path:
 
 
 def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: dict, needs: FeatureNeeds) -> CaptureSpec:
-    from draftsmith.target.loading import target_fingerprint
+    from draftsmith.targets.loading import target_fingerprint
     ids = layer_ids_for(recipe, num_layers, needs)
     recompute = recipe.capture.recompute and len(ids) >= 2  # heads without several features store them all
     if recompute and ids != sorted(ids):
@@ -225,7 +225,7 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     `needs`: what the recipe's head kind reads from the target (its registry spec's `features`)."""
     from accelerate import PartialState
     from draftsmith.data.prepare import load_train
-    from draftsmith.target.loading import load_target
+    from draftsmith.targets.loading import load_target
     state = PartialState(cpu=not torch.cuda.is_available())  # gloo across CPU processes when there is no GPU
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe, state.device)

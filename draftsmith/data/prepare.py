@@ -11,7 +11,7 @@ from tqdm import tqdm
 from draftsmith import artifacts
 from draftsmith.data import conversations as conv
 from draftsmith.recipe import Recipe
-from draftsmith.target import stdlib
+from draftsmith.targets import stdlib
 
 
 def data_dir(recipe: Recipe) -> Path:
@@ -87,7 +87,7 @@ def encode_all(recipe: Recipe, tokenizer, items: list[dict], skips: conv.SkipCou
 def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
     """Build `<run>/data/`: `train` Arrow dataset, `heldout.jsonl` prompts, manifest."""
     import datasets
-    from draftsmith.target.loading import load_tokenizer, target_fingerprint
+    from draftsmith.targets.loading import load_tokenizer, target_fingerprint
     tokenizer = load_tokenizer(recipe)
     conv.check_tokenizer(tokenizer, f"target.model={recipe.target.model!r}")
     skips = conv.SkipCounter()
@@ -142,7 +142,7 @@ def _remove(path: Path) -> None:
 def load_train(recipe: Recipe):
     """The data stage's dataset, after checking its manifest belongs to this recipe's target."""
     import datasets
-    from draftsmith.target.loading import target_fingerprint
+    from draftsmith.targets.loading import target_fingerprint
     manifest = artifacts.read_manifest(data_dir(recipe), "data")
     artifacts.check_upstream(manifest, {"target_id": recipe.target.model,
                                         "target_fingerprint": target_fingerprint(recipe.target.model)},

@@ -56,7 +56,7 @@ def _regenerate_batch(model, tokenizer, batch: list[dict], cfg) -> list[dict]:
 
 def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> tuple[list[dict], dict]:
     """Return (regenerated conversations, counts). Already-finished ids are read back from out_path."""
-    from draftsmith.target.loading import load_target
+    from draftsmith.targets.loading import load_target
     cfg = recipe.data.regen
     done = _load_done(out_path)
     todo = [c for c in items if "messages" in c and c["id"] not in done]

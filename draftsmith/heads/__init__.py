@@ -1,4 +1,4 @@
-"""Draft heads (layer 3: imports recipe, artifacts and target/, never data/, train/ or runtime/).
+"""Draft heads (layer 3: imports recipe, artifacts and targets/, never data/, train/ or runtime/).
 
 registry.py   kind -> HeadSpec (model, drafter, formats, what the target must supply)
 drafting.py   the drafter interface the runtime talks to; tree.py the draft tree type

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import nn
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -51,6 +52,24 @@ def _family_class(config: PretrainedConfig, suffix: str) -> type:
 def decoder_layer(config: PretrainedConfig, layer_idx: int = 0) -> nn.Module:
     """The family's decoder layer (its own class and weights layout)."""
     return _family_class(config, "DecoderLayer")(config, layer_idx)
+
+
+@torch.no_grad()
+def init_fresh(layer: nn.Module, config: PretrainedConfig) -> nn.Module:
+    """Every parameter of a freshly built family layer set explicitly. Standalone, some families' layers
+    leave weights as `torch.empty` (DeepSeek-V3's packed experts: NaN or ~1e35) and routers at zero,
+    which their PreTrainedModel would have initialised. nn.Linear keeps its own init and norms their
+    ones/zeros; every other parameter gets N(0, initializer_range) (matrices) or zeros (vectors)."""
+    std = getattr(config, "initializer_range", 0.02)
+    for module in layer.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) or "norm" in type(module).__name__.lower():
+            continue
+        for param in module.parameters(recurse=False):
+            param.normal_(0.0, std) if param.dim() >= 2 else param.zero_()
+    for name, buffer in layer.named_buffers():
+        if buffer.is_floating_point() and not torch.isfinite(buffer).all():
+            raise ValueError(f"{type(layer).__name__}.{name}: non-finite buffer in a fresh draft layer")
+    return layer
 
 
 def rotary_embedding(config: PretrainedConfig) -> nn.Module:

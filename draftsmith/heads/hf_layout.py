@@ -18,6 +18,32 @@ HF_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num
                  "rope_scaling", "vocab_size", "bos_token_id", "eos_token_id")
 
 
+class NotServable(ValueError):
+    """An engine format that cannot serve this head (its target family, its layout): `draftsmith run`
+    skips that format with this reason; an explicit `--to` or `export.formats` stops with it."""
+
+
+def dtype_keys(dtype: str) -> dict:
+    """Both spellings of the export dtype, equal: transformers 5 reads `dtype`, older loaders and the
+    engines `torch_dtype`; a config copied from the target must not keep the target's own `dtype`."""
+    return {"dtype": TORCH_DTYPE_NAMES[dtype], "torch_dtype": TORCH_DTYPE_NAMES[dtype]}
+
+
+def fine_tuned_target_dtype(meta: dict) -> torch.dtype:
+    """The dtype a merged fine-tuned target is saved in: the one validation ran in (so the exported model
+    is the model whose exactness and drift were measured), else the export dtype (unvalidated export)."""
+    name = meta.get("validated_dtype")
+    return getattr(torch, name) if name else DTYPES[meta.get("export_dtype", "bf16")]
+
+
+def drift_summary(drift: dict) -> str:
+    """One line of a drift report (runtime/drift.py) for a model card."""
+    ppl = (f"perplexity {drift['perplexity_original']:.3f} -> {drift['perplexity_finetuned']:.3f}"
+           if drift.get("perplexity_original") is not None else "perplexity not measured (no conversations with answers)")
+    return (f"teacher-forced top-1 agreement {drift['teacher_forced_top1_agreement']:.3f}, greedy token agreement "
+            f"{drift['greedy_token_agreement']:.3f} (positional), mean KL/token {drift['mean_kl_per_token']:.4f}, {ppl}")
+
+
 def cast(tensors: dict, dtype: str) -> dict:
     """Floating tensors to the export dtype; integer and bool buffers (d2t, t2d) unchanged."""
     return {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
@@ -36,8 +62,9 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def measured_k(meta: dict, default: int) -> int:
-    """The K serve commands use: the best measured at batch size 1 by `draftsmith economics`, else `default`."""
-    return (meta.get("economics") or {}).get("best_k") or default
+    """The K serve commands use: the best measured at batch size 1 by `draftsmith economics`, else the
+    validated depth, else `default`."""
+    return (meta.get("economics") or {}).get("best_k") or meta.get("validated_depth") or default
 
 
 def card(title: str, engine: str, meta: dict, validation: dict | None, serve: str, facts: list[str]) -> str:
@@ -54,6 +81,9 @@ def card(title: str, engine: str, meta: dict, validation: dict | None, serve: st
         lines += [f"- validated: tau {validation['tau']:.2f}, acceptance per depth {alpha}, "
                   f"speedup {validation['speedup_vs_plain']:.2f}x (draftsmith runtime, {validation['device']})",
                   f"- greedy output identical to plain decoding on {validation['num_exact']}/{validation['num_prompts']} prompts"]
+        if validation["speedup_vs_plain"] < 1:
+            lines.append(f'- <span style="color:red">**slower than plain decoding where it was validated '
+                         f'({validation["speedup_vs_plain"]:.2f}x on {validation["device"]})**</span>')
     else:
         lines.append("- **not validated** (exported with --allow-unvalidated)")
     lines += ["", "## Serve", "", "```", serve, "```", ""]

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from draftsmith.target.features import FeatureNeeds
+from draftsmith.targets.features import FeatureNeeds
 
 PACKAGES = {
     "eagle2": "draftsmith.heads.eagle2",

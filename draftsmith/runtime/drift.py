@@ -1,11 +1,16 @@
 """How far a jointly fine-tuned target (Medusa-2, joint MTP) drifted from the original, on the
-same held-out prompts: greedy agreement (tokens and whole outputs), mean KL(original || fine-tuned)
-per generated token, and held-out perplexity of both on assistant tokens. The adapter stays
+same held-out prompts: teacher-forced top-1 agreement (on the original's greedy continuation, the
+share of positions where both models' argmax agree: one flipped token does not spoil the rest), the
+position of the first divergence of the free-running greedy outputs, positional greedy agreement
+(tokens and whole outputs), mean KL(original || fine-tuned) per generated token, and perplexity of
+both on assistant tokens of held-out (or `validate.prompts`) conversations with answers; null when
+there are none, never a made-up 1.0. The adapter stays
 unmerged while measuring (`disable_adapter()` gives the original: one copy in memory), and is then
 merged: the returned model is the one Medusa-2 serves. Decoding here is Hugging Face `generate`,
 independent of draftsmith's runtime."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -32,7 +37,14 @@ def _token_agreement(a: list[int], b: list[int]) -> tuple[int, int]:
     return sum(x == y for x, y in zip(a, b)), longest
 
 
-def _perplexity(model, conversations: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first generated token where the two outputs differ; None when identical."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _perplexity(model, conversations: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    if not conversations:
+        return None
     nll, count = 0.0, 0
     for ids, mask in conversations:
         logp = _logprobs(model, ids)[:-1]
@@ -43,11 +55,28 @@ def _perplexity(model, conversations: list[tuple[torch.Tensor, torch.Tensor]]) -
     return math.exp(nll / max(count, 1))
 
 
+def _prompt_file_conversations(path: str) -> list[dict]:
+    """`validate.prompts` lines that are whole conversations (with answers); `{"prompt"}` lines have none."""
+    from draftsmith.data.conversations import DataError, normalize
+    out = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        record = json.loads(line) if line.strip() else None
+        if isinstance(record, dict) and "prompt" not in record:
+            try:
+                out.append(normalize(record, f"{path}:{number}"))
+            except DataError:
+                continue
+    return out
+
+
 def heldout_conversations(recipe: Recipe, tokenizer, device, limit: int = MAX_PERPLEXITY_CONVERSATIONS):
+    """Conversations with assistant tokens to measure perplexity on: `validate.prompts` when it is set
+    (those of its lines that carry answers), else the held-out split."""
     from draftsmith.data.conversations import encode_conversation
     from draftsmith.data.prepare import load_heldout
+    source = _prompt_file_conversations(recipe.validate.prompts) if recipe.validate.prompts else load_heldout(recipe)
     out = []
-    for conv in load_heldout(recipe)[:limit]:
+    for conv in [c for c in source if "messages" in c][:limit]:
         ids, mask = encode_conversation(tokenizer, conv, recipe.data.system_prompt)
         if sum(mask):
             out.append((torch.tensor(ids[:recipe.data.max_length], device=device),
@@ -63,14 +92,20 @@ def measure_drift(recipe: Recipe, model, adapter_dir: Path, prompts: list[torch.
         raise ValueError(f"{adapter_dir}: a head trained jointly with its target needs its LoRA adapter (adapter_config.json)")
     tuned = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     new_tokens = recipe.validate.max_new_tokens
-    same_tokens = total_tokens = same_outputs = 0
-    kl_sum, kl_count = 0.0, 0
+    same_tokens = total_tokens = same_outputs = forced_same = forced_total = 0
+    kl_sum, kl_count, divergence = 0.0, 0, []
     for prompt in prompts:
         with tuned.disable_adapter():
             original = _greedy(tuned, prompt, new_tokens, eos)
         finetuned = _greedy(tuned, prompt, new_tokens, eos)
         same, longest = _token_agreement(original, finetuned)
         same_tokens, total_tokens, same_outputs = same_tokens + same, total_tokens + longest, same_outputs + (original == finetuned)
+        divergence.append(_first_divergence(original, finetuned))
+        forced = torch.cat([prompt, torch.tensor(original, device=prompt.device, dtype=prompt.dtype)])
+        with tuned.disable_adapter():   # teacher-forced on the original's own greedy continuation
+            original_top1 = _logprobs(tuned, forced)[len(prompt) - 1:-1].argmax(-1)
+        tuned_top1 = _logprobs(tuned, forced)[len(prompt) - 1:-1].argmax(-1)
+        forced_same, forced_total = forced_same + int((original_top1 == tuned_top1).sum()), forced_total + len(original)
         seq = torch.cat([prompt, torch.tensor(finetuned, device=prompt.device, dtype=prompt.dtype)])
         logq = _logprobs(tuned, seq)[len(prompt) - 1:-1]
         with tuned.disable_adapter():
@@ -81,10 +116,14 @@ def measure_drift(recipe: Recipe, model, adapter_dir: Path, prompts: list[torch.
     with tuned.disable_adapter():
         ppl_original = _perplexity(tuned, conversations)
     ppl_tuned = _perplexity(tuned, conversations)
-    report = {"num_prompts": len(prompts), "greedy_token_agreement": same_tokens / max(total_tokens, 1),
+    report = {"num_prompts": len(prompts), "teacher_forced_top1_agreement": forced_same / max(forced_total, 1),
+              "first_divergence_per_prompt": divergence,
+              "greedy_token_agreement": same_tokens / max(total_tokens, 1),
               "greedy_output_agreement": same_outputs / max(len(prompts), 1), "mean_kl_per_token": kl_sum / max(kl_count, 1),
               "perplexity_original": ppl_original, "perplexity_finetuned": ppl_tuned,
               "num_perplexity_conversations": len(conversations),
+              "perplexity_source": ("not measured: no conversation with answers" if not conversations else
+                                    "validate.prompts" if recipe.validate.prompts else "held-out split"),
               "note": "joint training (Medusa-2, joint MTP) fine-tunes the target: the served model is the merged "
                       "fine-tuned target, not the original"}
     return tuned.merge_and_unload(), report

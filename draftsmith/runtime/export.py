@@ -6,10 +6,12 @@ config.json + model.safetensors + README.md (model card) atomically.
 Export refuses a head without a passing validation.json for its target unless explicitly overridden."""
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from draftsmith import artifacts
@@ -53,9 +55,24 @@ def check_validated(head: Path, target: str) -> dict:
     return result
 
 
+def served_target(formats, meta: dict, target: str, out_path: Path) -> str:
+    """What an engine must load as the base model next to this head: the original target, or for a head
+    trained jointly with it (Medusa-2, joint MTP) the fine-tuned target this export writes beside it."""
+    joint_format = getattr(formats, "FINE_TUNED_TARGET_FORMAT", None)
+    if joint_format and meta["draft_config"]["draftsmith"].get("joint"):
+        return str(out_path.parent / joint_format)
+    return target
+
+
+def _adapter_extras(adapter, **available) -> dict:
+    """The optional settings an adapter takes (the served base model, the validated K)."""
+    names = inspect.signature(adapter).parameters
+    return {k: v for k, v in available.items() if k in names and v is not None}
+
+
 def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unvalidated: bool = False) -> dict:
     """Write config.json + model.safetensors + README.md (model card) for `engine` into `out`."""
-    head_path = Path(head)
+    head_path, out_path = Path(head), Path(out)
     tensors, meta = artifacts.load_checkpoint(head_path)
     formats = head_spec(meta.get("kind", "eagle3")).formats
     if engine not in formats.ADAPTERS:
@@ -63,14 +80,22 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
     missing = [name for name in formats.REQUIRED if name not in tensors]
     if missing:
         raise artifacts.ArtifactError(f"{head_path}: checkpoint lacks {missing}; engines would silently skip them")
+    non_finite = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if non_finite:  # never, not even --allow-unvalidated: an engine would serve garbage drafts
+        raise artifacts.ArtifactError(f"{head_path}: non-finite (NaN/inf) tensors {non_finite[:8]}; retrain the head")
     target = meta.get("target_id") or ""
     validation = None if allow_unvalidated else check_validated(head_path, target)
     economics = find_economics(head_path)
+    depth = economics["best_k"] if economics else (validation or {}).get("tree", {}).get("depth")
+    meta = meta | {"served_target": served_target(formats, meta, target, out_path)}
     if economics:
         meta = meta | {"economics": economics}
-    config, named = formats.ADAPTERS[engine](tensors, meta["draft_config"], dtype, target=target)
+    if validation:  # a fine-tuned target is written in the dtype its exactness was proven in
+        meta = meta | {"validated_dtype": validation["dtype"].removeprefix("torch."), "validated_depth": depth}
+    adapter = formats.ADAPTERS[engine]
+    config, named = adapter(tensors, meta["draft_config"], dtype, target=target,
+                            **_adapter_extras(adapter, served_target=meta["served_target"], speculative_tokens=depth))
     writer = getattr(formats, "WRITERS", {}).get(engine)  # a layout with files of its own (names, a whole model)
-    out_path = Path(out)
     with artifacts.atomic_path(out_path) as tmp:
         tmp.mkdir(parents=True)
         if config:
@@ -83,4 +108,5 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
         if out_path.exists():
             shutil.rmtree(out_path)
     return {"out": str(out_path), "tensors": len(named), "validated": validation is not None,
-            "serve": formats.serve_command(engine, target, str(out_path), **({"depth": economics["best_k"]} if economics else {})), "economics": economics}
+            "serve": formats.serve_command(engine, meta["served_target"], str(out_path), **({"depth": depth} if depth else {})),
+            "economics": economics}

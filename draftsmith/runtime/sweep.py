@@ -254,7 +254,7 @@ def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: in
     if "draft-model" in cfg.baselines and cfg.draft_model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from draftsmith.target.embedded import ensure_draft_model
+        from draftsmith.targets.embedded import ensure_draft_model
         if cfg.draft_model_embedded is not None:
             ensure_draft_model(recipe)
         elif not Path(cfg.draft_model).exists() and "/" not in cfg.draft_model:
@@ -319,7 +319,7 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
     usd, extra = _prices(cfg, gpu_hour_usd, extra_usd_per_hour)
     model, tokenizer, draft_head, _, head_path = load_target_and_head(recipe, head)
     if draft_head.config.get("draftsmith", {}).get("joint"):  # served on the fine-tuned target
-        from draftsmith.target.lora import merge_adapter
+        from draftsmith.targets.lora import merge_adapter
         model = merge_adapter(model, head_path / "lora")
     chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts)
     prompts, domains = [p.to(model.device) for p, _ in chosen], [d for _, d in chosen]

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from draftsmith.runtime.compile import maybe_compile
-from draftsmith.target.features import FeatureExtractor
+from draftsmith.targets.features import FeatureExtractor
 
 
 class TargetRunner:

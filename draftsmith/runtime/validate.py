@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
@@ -170,7 +171,7 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
 def load_target_and_head(recipe: Recipe, head: str | None):
     """(target, tokenizer, head on the target's device and dtype, head metadata, head path) on
     `validate.device`; the head must have been trained for this target."""
-    from draftsmith.target.loading import load_target, load_tokenizer, pick_device
+    from draftsmith.targets.loading import load_target, load_tokenizer, pick_device
     device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
     torch.manual_seed(recipe.seed)
     model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
@@ -216,11 +217,20 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
                   target=recipe.target.model, device=str(device), dtype=str(model.dtype),
                   validate_hash=recipe.section_hash("validate"), tree=vars(drafter.tree_cfg),
                   training=meta.get("final_metrics"), layer_ids=layer_ids, kind=draft_head.kind)
-    result["passed"] = bool(result["exact_match"] and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
+    result["non_finite_tensors"] = non_finite_tensors(draft_head)
+    result["passed"] = bool(result["exact_match"] and not result["non_finite_tensors"]
+                            and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
     out_dir = Path(out) if out else validate_dir(recipe)
     write_report(out_dir, result)
     return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
         "report": str(out_dir / "report.md")}
+
+
+def non_finite_tensors(module) -> list[str]:
+    """Names of the head's tensors holding NaN or inf: verification stays lossless with such a head
+    (tau 1), so exactness alone would pass it."""
+    return [name for name, tensor in module.state_dict().items()
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
 
 
 def _check_target(meta: dict, model, recipe: Recipe) -> None:
@@ -274,7 +284,8 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
     accept, exact, mismatches, per_prompt = [], 0, [], []
-    for i, prompt in enumerate(prompts):
+    bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0)
+    for i, prompt in enumerate(bar):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
         hf_s += _hf_generate_seconds(model, prompt, len(base.tokens))
@@ -286,6 +297,9 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
             exact += 1
         else:
             mismatches.append(i)
+        bar.set_postfix(spec_tok_s=f"{spec_tokens / spec_s:.1f}", plain_tok_s=f"{plain_tokens / plain_s:.1f}",
+                        tau=f"{sum(a + 1 for a in accept) / max(len(accept), 1):.2f}", exact=f"{exact}/{i + 1}")
+    bar.close()
     stats = acceptance_stats(accept, cfg.depth)
     c = _draft_step_cost(drafter, runner, prompts[0])
     result = {**stats, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
@@ -315,6 +329,9 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
                 "posterior_alpha": cfg.posterior_alpha, "tokens_per_s": tokens / sum(r.seconds for r in runs),
                 **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
     return result
+
+
+RED = '<span style="color:red">**{}**</span>'
 
 
 def write_report(out_dir: Path, result: dict) -> None:
@@ -347,6 +364,11 @@ def write_report(out_dir: Path, result: dict) -> None:
              f"{result['screen']['predicted_walltime_factor']:.2f}x, measured {result['screen']['measured_walltime_factor']:.2f}x",
              f"- greedy output identical to plain greedy decoding: {result['num_exact']}/{result['num_prompts']} prompts",
              f"- passed: **{result['passed']}**"]
+    if result["speedup_vs_plain"] < 1:
+        slower = f"SLOWER than plain decoding: speedup {result['speedup_vs_plain']:.2f}x < 1 on this device"
+        lines.append(f"- {RED.format(slower)}")
+    if result.get("non_finite_tensors"):
+        lines.append(f"- {RED.format('non-finite head tensors (NaN/inf), not passed: ' + ', '.join(result['non_finite_tensors'][:8]))}")
     if result.get("calibration"):
         top1 = ", ".join(f"{a:.2f}" for a in result["calibration"]["per_head_top1"])
         lines.append(f"- tree built from measured per-head accuracies (top-1 per head: {top1}; "
@@ -357,10 +379,15 @@ def write_report(out_dir: Path, result: dict) -> None:
     if result.get("drift"):
         d = result["drift"]
         lines += ["", "## Drift of the fine-tuned target (Medusa-2 changes the served model)", "",
-                  f"- greedy agreement with the original target: {d['greedy_token_agreement']:.3f} of tokens, "
-                  f"{d['greedy_output_agreement']:.3f} of outputs identical ({d['num_prompts']} held-out prompts)",
+                  f"- teacher-forced top-1 agreement (on the original's greedy continuation): {d['teacher_forced_top1_agreement']:.3f}",
+                  f"- free-running greedy outputs: {d['greedy_output_agreement']:.3f} identical; first divergence per prompt "
+                  f"(token index, - = none): {', '.join('-' if i is None else str(i) for i in d['first_divergence_per_prompt'])}; "
+                  f"positional token agreement {d['greedy_token_agreement']:.3f} (every token after a divergence counts "
+                  f"as disagreement) ({d['num_prompts']} prompts)",
                   f"- mean KL(original || fine-tuned) per token: {d['mean_kl_per_token']:.5f}",
-                  f"- held-out perplexity: original {d['perplexity_original']:.3f}, fine-tuned {d['perplexity_finetuned']:.3f}",
+                  (f"- perplexity ({d['perplexity_source']}, {d['num_perplexity_conversations']} conversations): original "
+                   f"{d['perplexity_original']:.3f}, fine-tuned {d['perplexity_finetuned']:.3f}"
+                   if d["perplexity_original"] is not None else f"- perplexity: {d['perplexity_source']}"),
                   "- the speculative output above is exact against the *fine-tuned* target, which is what Medusa-2 serves"]
     lines += ["", "![acceptance](acceptance.png)", ""]
     with artifacts.atomic_path(out_dir / "report.md") as tmp:

@@ -8,7 +8,7 @@ import torch
 
 from draftsmith.data.capture import batch_records
 from draftsmith.data.records import to_sample
-from draftsmith.target.features import FeatureExtractor
+from draftsmith.targets.features import FeatureExtractor
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Joint training of a head and its target (Medusa-2; joint MTP), inside the one trainer.
 
-`JointModel` is what the trainer optimizes: the target with LoRA adapters (target/lora.py) and the
+`JointModel` is what the trainer optimizes: the target with LoRA adapters (targets/lora.py) and the
 draft head. Per batch:
   teacher = the target with adapters off, no grad (self-distillation: no second copy in memory)
   stage 1 (step < heads_only_steps): loss = head loss on the teacher's own features
@@ -20,7 +20,14 @@ from draftsmith.recipe import LoraJointConfig
 
 
 def heads_only_steps(cfg: LoraJointConfig, total_steps: int) -> int:
-    return cfg.heads_only_steps if cfg.heads_only_steps is not None else total_steps // 3
+    """Stage 1's length; a stage 1 that fills the whole run would train no adapter and end as Medusa-1 /
+    post hoc MTP while calling itself joint, so it is refused before anything loads."""
+    steps = cfg.heads_only_steps if cfg.heads_only_steps is not None else total_steps // 3
+    if steps >= total_steps:
+        raise ValueError(f"head.lora.heads_only_steps={steps} but the run has {total_steps} optimizer steps in all "
+                         "(train.epochs/max_steps, batch_size, grad_accum): stage 2, which trains the LoRA adapters, would "
+                         "never start; lower head.lora.heads_only_steps (or leave it unset: a third of the run) or train longer")
+    return steps
 
 
 def ramp(kind: str, progress: float) -> float:

@@ -7,8 +7,8 @@ from draftsmith.data.prepare import load_train
 from draftsmith.data.vocab import load_or_build
 from draftsmith.heads.registry import head_spec
 from draftsmith.recipe import Recipe
-from draftsmith.target.features import FeatureCompleter
-from draftsmith.target.loading import load_target, load_target_embeddings, load_target_layers, target_fingerprint
+from draftsmith.targets.features import FeatureCompleter
+from draftsmith.targets.loading import load_target, load_target_embeddings, load_target_layers, target_fingerprint
 from draftsmith.train import batches as B
 from draftsmith.train.tracking import make_tracker
 from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_dir, train_inputs_hash
@@ -54,8 +54,9 @@ def _init_from(head, path: str, target_config, d2t, t2d):
 
 def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int):
     """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module."""
-    from draftsmith.target.lora import attach_lora
-    from draftsmith.train.joint import JointModel
+    from draftsmith.targets.lora import attach_lora
+    from draftsmith.train.joint import JointModel, heads_only_steps
+    heads_only_steps(recipe.head.lora, total_steps)  # refused before the target loads
     if recipe.capture.mode != "online":
         raise ValueError(f"head.lora is set (joint training of head and target): set capture.mode: online "
                          f"(got {recipe.capture.mode!r}); the target's features change as it trains")
@@ -125,7 +126,7 @@ def run_train(recipe: Recipe) -> dict:
     write_extra = None
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(unwrapped, "split_state"):  # joint: the head's tensors, and the LoRA adapter in head/lora/
-        from draftsmith.target.lora import save_adapter
+        from draftsmith.targets.lora import save_adapter
         tensors, adapter = unwrapped.split_state(tensors)
         write_extra = lambda directory: save_adapter(unwrapped.target, adapter, directory / "lora")  # noqa: E731
     if trainer.accelerator.is_main_process:

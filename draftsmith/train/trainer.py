@@ -132,6 +132,11 @@ class Trainer:
         batch = self.device_batch(records)
         with self.accelerator.accumulate(self.model):
             loss, metrics = self.model(batch)
+            if not torch.isfinite(loss.detach()):  # stop before a NaN update reaches the weights or a checkpoint
+                raise FloatingPointError(
+                    f"train: non-finite loss ({float(loss.detach())}) at step {self.step} (micro step {self.micro_step}); "
+                    f"nothing of this step was applied and the last checkpoint is intact: check the head's initial "
+                    f"weights, train.lr ({self.cfg.lr}) and the data")
             self.accelerator.backward(loss)
             grad_norm = None
             if self.accelerator.sync_gradients:

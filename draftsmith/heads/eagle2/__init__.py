@@ -5,6 +5,6 @@ from draftsmith.heads.eagle2 import formats
 from draftsmith.heads.eagle2.draft import Eagle2Drafter
 from draftsmith.heads.eagle2.model import Eagle2Head
 from draftsmith.heads.registry import HeadSpec
-from draftsmith.target.features import FINAL
+from draftsmith.targets.features import FINAL
 
 SPEC = HeadSpec(kind="eagle2", model=Eagle2Head, drafter=Eagle2Drafter, formats=formats, features=FINAL)

@@ -27,14 +27,45 @@ def default_fc_bias(text_config) -> bool:
     return text_config.model_type == "llama" and text_config.vocab_size == LLAMA2_VOCAB
 
 
-def draft_config_from_target(target_config, fc_bias: bool | None = None, intermediate_size: int | None = None) -> dict:
-    """The head's HF-style config: the target's own text config with one layer (so the engines and
-    `family.layer_config` rebuild exactly the target's block), plus `bias` for fc."""
+ENGINE_FAMILIES = ("llama", "mistral", "qwen2")  # target families whose own layer an engine's EAGLE-1 class holds
+LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+                    "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+LAYERS = ("llama", "target")
+
+
+def layer_family(target_family: str, layer: str | None) -> str:
+    """The draft layer's family: `head.layer: target` is the target's own, `llama` a Llama layer (as the
+    EAGLE reference builds for every target); None: the target's where an engine serves it, else Llama."""
+    if layer not in (None, *LAYERS):
+        raise ValueError(f"head.layer={layer!r}: expected one of {', '.join(LAYERS)}")
+    if layer == "llama" or (layer is None and target_family not in ENGINE_FAMILIES):
+        return "llama"
+    return target_family
+
+
+def _llama_layer_config(text) -> dict:
+    """A Llama layer of the target's sizes (attention, MLP, RoPE, vocabulary); SiLU and no biases, as
+    the engines' `LlamaDecoderLayer` builds it whatever the target's own block is."""
+    from transformers import LlamaConfig
+    source = text.to_dict()
+    keys = {k: source[k] for k in LLAMA_LAYER_KEYS if source.get(k) is not None}
+    keys["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return LlamaConfig(**keys, hidden_act="silu", attention_bias=False, mlp_bias=False).to_dict()
+
+
+def draft_config_from_target(target_config, fc_bias: bool | None = None, intermediate_size: int | None = None,
+                             layer: str | None = None) -> dict:
+    """The head's HF-style config: one decoder layer, of the target's own family (its config with one
+    layer, so the engines and `family.layer_config` rebuild exactly the target's block) or a Llama layer
+    of the target's sizes (`layer`, see `layer_family`), plus `bias` for fc."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    config = {k: v for k, v in text.to_dict().items() if not k.startswith("_") and k not in ("auto_map", "transformers_version")}
+    family = layer_family(text.model_type, layer)
+    source = text.to_dict() if family == text.model_type else _llama_layer_config(text)
+    config = {k: v for k, v in source.items() if not k.startswith("_") and k not in ("auto_map", "transformers_version")}
     config.update(num_hidden_layers=1, tie_word_embeddings=False,
                   bias=default_fc_bias(text) if fc_bias is None else fc_bias,
-                  draftsmith={"kind": "eagle2", "layer_ids": [], "feature": "final"})
+                  draftsmith={"kind": "eagle2", "layer_ids": [], "feature": "final", "target_model_type": text.model_type})
     if intermediate_size:
         config["intermediate_size"] = intermediate_size
     config.pop("layer_types", None)  # per-layer lists of the full target: one layer here
@@ -54,7 +85,7 @@ class Eagle2Head(DraftHead):
         H, V = layer_config.hidden_size, layer_config.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.fc = nn.Linear(2 * H, H, bias=bool(config.get("bias", False)))
-        layer = family.decoder_layer(layer_config, 0)
+        layer = family.init_fresh(family.decoder_layer(layer_config, 0), layer_config)
         layer.input_layernorm = nn.Identity()  # the feature arrives normed (target's final norm)
         self.layers = nn.ModuleList([layer])
         self.lm_head = nn.Linear(H, V, bias=False)
@@ -64,7 +95,7 @@ class Eagle2Head(DraftHead):
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle2Head":
-        config = draft_config_from_target(target_config, head_cfg.fc_bias, head_cfg.intermediate_size)
+        config = draft_config_from_target(target_config, head_cfg.fc_bias, head_cfg.intermediate_size, head_cfg.layer)
         return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, 0.8 if head_cfg.loss_decay is None else head_cfg.loss_decay, head_cfg.feature_weight, head_cfg.token_weight,
                    head_cfg.input_noise)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.heads.eagle3.model import draft_config_from_target
-from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, TORCH_DTYPE_NAMES, card, cast, measured_k, read_weights
+from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, dtype_keys, card, cast, measured_k, read_weights
 
 TITLE = "EAGLE-3 draft head"
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -23,7 +23,7 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 def _eagle3_hf_config(config: dict, ids: list[int], dtype: str, engine: str) -> dict:
     out = {key: config[key] for key in HF_LAYER_KEYS if key in config}
     out.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=config["draft_vocab_size"],
-               target_hidden_size=config["target_hidden_size"], tie_word_embeddings=False, torch_dtype=TORCH_DTYPE_NAMES[dtype],
+               target_hidden_size=config["target_hidden_size"], tie_word_embeddings=False, **dtype_keys(dtype),
                norm_before_residual=False, attention_bias=False, mlp_bias=False,
                eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
                **{EXPORT_MARK: {"engine": engine, "layer_convention": engine, "draftsmith_layer_ids": config["draftsmith"]["layer_ids"]}})
@@ -53,7 +53,7 @@ def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "", sp
            "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config["target_hidden_size"],
            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
            "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": list(config["draftsmith"]["layer_ids"]),
-           "transformer_layer_config": layer, "torch_dtype": TORCH_DTYPE_NAMES[dtype], "tie_word_embeddings": False,
+           "transformer_layer_config": layer, **dtype_keys(dtype), "tie_word_embeddings": False,
            "speculators_config": {
                "algorithm": "eagle3", "default_proposal_method": "greedy",
                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
@@ -81,7 +81,7 @@ def serve_command(engine: str, target: str, out: str, depth: int = 3) -> str:
 
 
 def _verifier(target: str) -> tuple[torch.Tensor | None, list]:
-    from draftsmith.target.loading import load_target_embeddings
+    from draftsmith.targets.loading import load_target_embeddings
     if target and (Path(target) / "config.json").exists():
         embed, _ = load_target_embeddings(target)
         return embed, json.loads((Path(target) / "config.json").read_text()).get("architectures", [])

@@ -7,6 +7,6 @@ from draftsmith.heads.medusa import formats
 from draftsmith.heads.medusa.draft import MedusaDrafter
 from draftsmith.heads.medusa.model import MedusaHead
 from draftsmith.heads.registry import HeadSpec
-from draftsmith.target.features import FINAL
+from draftsmith.targets.features import FINAL
 
 SPEC = HeadSpec(kind="medusa", model=MedusaHead, drafter=MedusaDrafter, formats=formats, features=FINAL)

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, measured_k, read_weights
+from draftsmith.heads.hf_layout import EXPORT_MARK, NotServable, card, cast, drift_summary, dtype_keys, fine_tuned_target_dtype, measured_k, read_weights
 
 TITLE = "Medusa heads"
 REQUIRED = ("blocks.0.layers.0.weight",)
+FINE_TUNED_TARGET_FORMAT = "merged-target"  # what engines serve a Medusa-2 head on (runtime/export.served_target)
 ADAPTER_DIR = "lora"  # where a Medusa-2 head keeps its LoRA adapter (peft layout), next to the head
 
 
@@ -36,7 +37,7 @@ def _num(config: dict) -> tuple[int, int]:
 
 
 def _shared_lm_head(target: str) -> torch.Tensor:
-    from draftsmith.target.loading import load_target_embeddings
+    from draftsmith.targets.loading import load_target_embeddings
     return load_target_embeddings(target)[1]
 
 
@@ -48,12 +49,12 @@ def to_vllm(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[
     out = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": config["hidden_size"],
            "vocab_size": config["vocab_size"], "truncated_vocab_size": config["vocab_size"], "num_heads": K,
            "num_hidden_layers": L, "medusa_fc_bias": True, "original_lm_head": bool(config.get("original_lm_head")),
-           "max_paths": 64, "topk": 10, "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+           "max_paths": 64, "topk": 10, **dtype_keys(dtype),
            EXPORT_MARK: {"engine": "vllm", "kind": "medusa", "variant": config["draftsmith"].get("variant")}}
     return out, cast(named, dtype)
 
 
-def to_fasterdecoding(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+def to_fasterdecoding(tensors: dict, config: dict, dtype: str, target: str = "", served_target: str = "") -> tuple[dict, dict]:
     K, L = _num(config)
     named = {}
     for h in range(K):
@@ -61,7 +62,7 @@ def to_fasterdecoding(tensors: dict, config: dict, dtype: str, target: str = "")
             named[f"{h}.{layer}.linear.weight"] = tensors[f"blocks.{h}.layers.{layer}.weight"]
             named[f"{h}.{layer}.linear.bias"] = tensors[f"blocks.{h}.layers.{layer}.bias"]
         named[f"{h}.{L}.weight"] = _shared_lm_head(target) if config.get("original_lm_head") else tensors[f"lm_heads.{h}.weight"]
-    out = {"medusa_num_heads": K, "medusa_num_layers": L, "base_model_name_or_path": target,
+    out = {"medusa_num_heads": K, "medusa_num_layers": L, "base_model_name_or_path": served_target or target,
            EXPORT_MARK: {"engine": "fasterdecoding", "kind": "medusa", "variant": config["draftsmith"].get("variant")}}
     return out, cast(named, dtype)
 
@@ -74,7 +75,7 @@ def write_fasterdecoding(out: Path, tensors: dict, meta: dict, head: Path) -> No
 
 def _require_adapter(config: dict, head: Path | None = None) -> None:
     if config["draftsmith"].get("variant") != "medusa2":
-        raise ValueError("this is a Medusa-1 head (frozen target): there is no fine-tuned target or LoRA adapter to export")
+        raise NotServable("this is a Medusa-1 head (frozen target): there is no fine-tuned target or LoRA adapter to export")
     if head is not None and not (head / ADAPTER_DIR / "adapter_config.json").exists():
         raise ValueError(f"{head}/{ADAPTER_DIR}: the Medusa-2 LoRA adapter is missing")
 
@@ -86,9 +87,9 @@ def to_merged_target(tensors: dict, config: dict, dtype: str, target: str = "") 
 
 def write_merged_target(out: Path, tensors: dict, meta: dict, head: Path) -> None:
     """The target with the adapter merged in, saved as a plain Hugging Face model (+ tokenizer)."""
-    from draftsmith.target.lora import save_merged_target
+    from draftsmith.targets.lora import save_merged_target
     _require_adapter(meta["draft_config"], head)
-    save_merged_target(meta["target_id"], head / ADAPTER_DIR, out, DTYPES[meta.get("export_dtype", "bf16")])
+    save_merged_target(meta["target_id"], head / ADAPTER_DIR, out, fine_tuned_target_dtype(meta))
 
 
 def to_lora(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
@@ -134,16 +135,18 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
              f"variant: {variant}"]
     if variant == "medusa2":
         facts.append("**Medusa-2 changes the served model**: the target was fine-tuned with LoRA; serve the merged "
-                     "target (`merged-target` export) with these heads, not the original target")
+                     f"target (`{meta.get('served_target')}`) with these heads, not the original target")
+        facts.append(f"merged target saved in {fine_tuned_target_dtype(meta)}: "
+                     + ("the dtype validation ran in (exactness and drift were measured on this model)"
+                        if meta.get("validated_dtype") else "the export dtype (not validated)"))
         drift = (validation or {}).get("drift")
         if drift:
-            facts.append(f"drift of the fine-tuned target vs the original: greedy token agreement "
-                         f"{drift['greedy_token_agreement']:.3f}, mean KL/token {drift['mean_kl_per_token']:.4f}, "
-                         f"held-out perplexity {drift['perplexity_original']:.3f} -> {drift['perplexity_finetuned']:.3f}")
+            facts.append(f"drift of the fine-tuned target vs the original: {drift_summary(drift)}")
     choices = (validation or {}).get("tree", {}).get("choices")
     if choices:
         facts.append(f"tree (measured): `medusa_choices={json.dumps(choices)}`")
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, K)), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>",
+                                                               out, depth=measured_k(meta, K)), facts)
 
 
 def recognizes(config: dict) -> bool:

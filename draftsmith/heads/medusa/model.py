@@ -11,7 +11,7 @@ lm_head (vLLM's option of that name). Tensor names are vLLM's: `blocks.{k}.layer
 `lm_heads.{k}.weight`.
 
 Medusa-2 (the target fine-tuned jointly with LoRA) is the same head; its config records the LoRA
-settings under `draftsmith.lora` and the adapter travels next to the head (target/lora.py)."""
+settings under `draftsmith.lora` and the adapter travels next to the head (targets/lora.py)."""
 from __future__ import annotations
 
 import torch

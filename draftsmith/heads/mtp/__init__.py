@@ -7,6 +7,6 @@ from draftsmith.heads.mtp import formats
 from draftsmith.heads.mtp.draft import MTPDrafter
 from draftsmith.heads.mtp.model import MTPHead
 from draftsmith.heads.registry import HeadSpec
-from draftsmith.target.features import FINAL
+from draftsmith.targets.features import FINAL
 
 SPEC = HeadSpec(kind="mtp", model=MTPHead, drafter=MTPDrafter, formats=formats, features=FINAL)

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.heads.hf_layout import DTYPES, EXPORT_MARK, TORCH_DTYPE_NAMES, card, cast, measured_k
+from draftsmith.heads.hf_layout import EXPORT_MARK, NotServable, card, cast, drift_summary, dtype_keys, fine_tuned_target_dtype, measured_k
 
 TITLE = "MTP module"
 REQUIRED = ("modules_.0.eh_proj.weight", "modules_.0.enorm.weight")
@@ -68,25 +68,25 @@ def _own(tensors: dict, module: int, prefix: str, names: dict) -> dict:
 
 def _check_one_module(config: dict, engine: str) -> None:
     if config["num_nextn_predict_layers"] != 1:
-        raise ValueError(f"--to {engine}: engines load one MTP module (num_nextn_predict_layers 1); this head has "
+        raise NotServable(f"--to {engine}: engines load one MTP module (num_nextn_predict_layers 1); this head has "
                          f"{config['num_nextn_predict_layers']}")
 
 
 def to_nextn(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
     family = config["model_type"]
     if family not in NEXTN_ARCHITECTURES:
-        raise ValueError(f"SGLang's NextN drafts serve {sorted(NEXTN_ARCHITECTURES)} targets, not {family!r}: export "
+        raise NotServable(f"SGLang's NextN drafts serve {sorted(NEXTN_ARCHITECTURES)} targets, not {family!r}: export "
                          "--to nextn-full or speculators, or validate and serve the head in draftsmith's runtime")
     _check_one_module(config, "nextn")
     named = _own(tensors, 0, "model.layers.0.", OWN) | block_tensors(tensors, config, 0, "model.layers.0.")
     out = {k: v for k, v in config.items() if k != "draftsmith"}
     out.update(architectures=[NEXTN_ARCHITECTURES[family]], num_hidden_layers=1, num_nextn_predict_layers=1,
-               torch_dtype=TORCH_DTYPE_NAMES[dtype], **{EXPORT_MARK: {"engine": "nextn", "kind": "mtp", "target_num_hidden_layers": config["num_hidden_layers"]}})
+               **dtype_keys(dtype), **{EXPORT_MARK: {"engine": "nextn", "kind": "mtp", "target_num_hidden_layers": config["num_hidden_layers"]}})
     return out, cast(named, dtype)
 
 
 def to_nextn_full(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
-    from draftsmith.target.loading import load_target_embeddings
+    from draftsmith.targets.loading import load_target_embeddings
     embed, lm_head = load_target_embeddings(target)
     named = {}
     if config["model_type"] == "qwen3_next":  # Qwen3-Next keeps its MTP under mtp.*, sharing embedding and head
@@ -107,8 +107,8 @@ def write_nextn_full(out: Path, tensors: dict, meta: dict, head: Path) -> None:
     if not (target / "config.json").exists():
         raise ValueError(f"--to nextn-full needs the target as a local directory; {meta['target_id']!r} is not one")
     if meta["draft_config"]["draftsmith"].get("joint"):  # the module belongs to the fine-tuned target
-        from draftsmith.target.lora import save_merged_target
-        save_merged_target(str(target), head / "lora", out, DTYPES[meta.get("export_dtype", "bf16")])
+        from draftsmith.targets.lora import save_merged_target
+        save_merged_target(str(target), head / "lora", out, fine_tuned_target_dtype(meta))
     else:
         for file in target.iterdir():
             if file.is_file() and file.name != "manifest.json":
@@ -125,20 +125,25 @@ def write_nextn_full(out: Path, tensors: dict, meta: dict, head: Path) -> None:
         index.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "", served_target: str = "",
+                   speculative_tokens: int = 3) -> tuple[dict, dict]:
+    """speculators `mtp`; `speculative_tokens` is the validated depth (or the K measured best by economics),
+    the verifier the model the module serves with (the fine-tuned target after joint training)."""
     _check_one_module(config, "speculators")
     named = _own(tensors, 0, "mtp_layers.0.", SPECULATORS) | block_tensors(tensors, config, 0, "mtp_layers.0.")
-    layer = {k: v for k, v in config.items() if k not in ("draftsmith", "num_nextn_predict_layers")} | {"num_hidden_layers": 1}
+    skip = ("draftsmith", "num_nextn_predict_layers", "dtype", "torch_dtype")
+    layer = {k: v for k, v in config.items() if k not in skip} | {"num_hidden_layers": 1} | dtype_keys(dtype)
     out = {"architectures": ["MTPDraftModel"], "speculators_model_type": "mtp", "speculators_version": "0.2.0",
-           "num_nextn_predict_layers": 1, "transformer_layer_config": layer, "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+           "num_nextn_predict_layers": 1, "transformer_layer_config": layer, **dtype_keys(dtype),
            "speculators_config": {"algorithm": "mtp", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                                  "verifier": {"name_or_path": target, "architectures": config.get("architectures") or []}},
+                                  "verifier": {"name_or_path": served_target or target, "architectures": config.get("architectures") or []}},
            EXPORT_MARK: {"engine": "speculators", "kind": "mtp", "target_num_hidden_layers": config["num_hidden_layers"]}}
     return out, cast(named, dtype)
 
 
+FINE_TUNED_TARGET_FORMAT = "nextn-full"  # a joint module serves with the fine-tuned target that nextn-full writes
 ADAPTERS = {"nextn": to_nextn, "nextn-full": to_nextn_full, "speculators": to_speculators}
 WRITERS = {"nextn-full": write_nextn_full}
 
@@ -164,19 +169,31 @@ def serve_command(engine: str, target: str, out: str, depth: int = 3, family: st
     return f"vllm serve {out}   # speculators format; the verifier is named inside"
 
 
+RULES = ("tau and exactness were measured under vLLM's MTP rules: the embedding at sequence position 0 zeroed, and "
+         "the module's own output before shared_head.norm fed back at the next depth; SGLang and speculators do "
+         "neither, so their acceptance can differ from the tau above (losslessness does not)")
+
+
 def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> str:
     config = meta["draft_config"]
     family = config["model_type"]
     served = engine_served(family)
+    joint = config["draftsmith"].get("variant") == "joint"
     facts = [f"{config['num_nextn_predict_layers']} MTP module(s): enorm, hnorm, eh_proj over [embedding, hidden], one "
              f"{family} decoder layer, shared_head.norm; the target's embedding and lm_head",
-             f"variant: {config['draftsmith'].get('variant')}" + (" (the target was fine-tuned with LoRA: serve the "
-                                                                  "fine-tuned target)" if config["draftsmith"].get("variant") == "joint" else ""),
+             f"variant: {config['draftsmith'].get('variant')}" + (
+                 f" (the target was fine-tuned with LoRA: serve the fine-tuned target `{meta.get('served_target')}`, "
+                 f"saved in {fine_tuned_target_dtype(meta)})" if joint else ""),
              (f"engines: vLLM (`{VLLM_METHODS.get(family)}`) and SGLang (EAGLE with the MTP layer) serve MTP for "
               f"{family} targets (DeepSeek-V3, GLM-4.5, Qwen3-Next families)" if served else
               f"engines: no engine serves MTP for {family} targets today; this head runs in draftsmith's runtime "
-              "(vLLM and SGLang serve MTP for DeepSeek-V3, GLM-4.5 and Qwen3-Next families)")]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3), family=family), facts)
+              "(vLLM and SGLang serve MTP for DeepSeek-V3, GLM-4.5 and Qwen3-Next families)"), RULES]
+    if joint and (validation or {}).get("drift"):
+        facts.append(f"drift of the fine-tuned target vs the original: {drift_summary(validation['drift'])}")
+    serve = (serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>", out,
+                           depth=measured_k(meta, 3), family=family) if served else
+             f"# no engine serves MTP for {family} targets: validate and run this head in draftsmith's runtime")
+    return card(TITLE, engine, meta, validation, serve, facts)
 
 
 def recognizes(config: dict) -> bool:

@@ -62,7 +62,7 @@ class MTPModule(nn.Module):
         H = cfg.hidden_size
         self.enorm, self.hnorm = _rms_norm(cfg, H), _rms_norm(cfg, H)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = family.decoder_layer(cfg, layer_idx)
+        self.block = family.init_fresh(family.decoder_layer(cfg, layer_idx), cfg)
         self.shared_head_norm = _rms_norm(cfg, H)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.recipe import Recipe
-from draftsmith.target.features import Skip
+from draftsmith.targets.features import Skip
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.recipe import EmbeddedTargetConfig, Recipe
-from draftsmith.target import stdlib
-from draftsmith.target.loading import target_fingerprint
+from draftsmith.targets import stdlib
+from draftsmith.targets.loading import target_fingerprint
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 DEMO_CHAT_TEMPLATE = (

@@ -52,8 +52,9 @@ def merge_adapter(model, adapter_dir: Path):
 
 
 def save_merged_target(model_dir: str, adapter_dir: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """The fine-tuned target (adapter merged in fp32, then cast) as a plain Hugging Face model + tokenizer."""
+    """The fine-tuned target as a plain Hugging Face model + tokenizer, merged in `dtype` exactly as
+    validation merges it (load in `dtype`, peft's merge_and_unload), so the saved model is the one validated."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = merge_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
-    model.to(dtype=dtype).save_pretrained(out)
+    model = merge_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), adapter_dir)
+    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)

@@ -59,10 +59,20 @@ class DataSource:
 
 @dataclass
 class RegenConfig:
+    """The target rewrites every assistant turn: in process (batched `generate`), or through an
+    OpenAI-compatible chat-completions server (`server`: vLLM, SGLang, TGI, `transformers serve`)."""
     enabled: bool = False
     max_new_tokens: int = 256
-    batch_size: int = 8
-    temperature: float = 0.0
+    batch_size: int = 8                 # in process: conversations per generate batch
+    temperature: float = 0.0            # 0: greedy
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the answer, as servers do)
+    server: str | None = None           # base URL, e.g. http://host:8000/v1; None: in process
+    api_key_env: str | None = None      # the NAME of an environment variable holding the key, never the key
+    served_model: str | None = None     # the server's model id; None: the listed one naming target.model
+    concurrency: int = 16               # server: requests in flight
+    timeout_s: float = 600.0            # server: per request
+    max_retries: int = 8                # server: per request, exponential backoff (connection errors, 5xx, 429)
 
 
 @dataclass
@@ -374,6 +384,13 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
         raise RecipeError(f"{source}: key 'name' is required (it names the run directory)")
     if not recipe.target.model and recipe.target.embedded is None:
         raise RecipeError(f"{source}: set target.model (a model directory or hub id) or target.embedded")
+    regen = recipe.data.regen
+    if regen.server is not None and not regen.server.startswith(("http://", "https://")):
+        raise RecipeError(f"{source}: data.regen.server={regen.server!r}: expected an http(s) base URL such as "
+                          "http://host:8000/v1")
+    if regen.concurrency < 1 or regen.max_retries < 0 or regen.timeout_s <= 0:
+        raise RecipeError(f"{source}: data.regen.concurrency={regen.concurrency}, max_retries={regen.max_retries}, "
+                          f"timeout_s={regen.timeout_s}: expected concurrency >= 1, retries >= 0, a positive timeout")
     econ = recipe.economics
     if econ.draft_model_embedded is not None and (recipe.target.embedded is None or not econ.draft_model):
         raise RecipeError(f"{source}: economics.draft_model_embedded needs target.embedded (it shares the embedded "

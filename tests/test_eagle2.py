@@ -198,7 +198,7 @@ def test_chain_drafting_builds_the_dynamic_tree_with_top_k_1(tiny_target):
     _, features, _ = runner.prefill(prompt)
     drafter.reset()
     drafter.extend(prompt[1:], features[:-1])
-    chain, general = drafter.draft_chain(prompt[-1]), drafter.draft_dynamic(prompt[-1])
+    chain, general = drafter.draft_chains(prompt[-1:])[0], drafter.draft_dynamic(prompt[-1:])[0]
     for key in ("tokens_N", "parent_N", "depth_N", "mask_NN"):
         assert torch.equal(getattr(chain, key), getattr(general, key)), key
 

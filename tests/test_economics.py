@@ -76,28 +76,60 @@ def tiny_pair():
     return target, small
 
 
-def test_batched_decoding_is_exact_per_row(tiny_pair):
-    """B up to 8 rows with mixed prompt lengths, per-row EOS, padded trees (chains of K, dynamic trees,
-    n-gram and draft-model drafts of differing sizes): every row equals plain greedy decoding alone."""
+def _batched_kinds(target, small):
+    """name -> (layer ids the runner returns, factory batch_size -> drafter): every head kind (random
+    heads, drafting in chains and dynamic trees) and both baselines, all batched drafters."""
     import torch
 
     from draftsmith.heads.drafting import TreeConfig
+    from draftsmith.heads.eagle2.draft import Eagle2Drafter
+    from draftsmith.heads.eagle2.model import Eagle2Head, draft_config_from_target as eagle2_config
     from draftsmith.heads.eagle3.draft import Eagle3Drafter
-    from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target
-    from draftsmith.runtime.baselines import (
-        DraftModelDrafter,
-        NgramDrafter,
-        chain_config,
-    )
+    from draftsmith.heads.eagle3.model import Eagle3Head, draft_config_from_target as eagle3_config
+    from draftsmith.heads.medusa.draft import MedusaDrafter
+    from draftsmith.heads.medusa.model import MedusaHead, draft_config_from_target as medusa_config
+    from draftsmith.heads.mtp.draft import MTPDrafter
+    from draftsmith.heads.mtp.model import MTPHead, draft_config_from_target as mtp_config
+    from draftsmith.recipe import HeadConfig
+    from draftsmith.runtime.baselines import DraftModelDrafter, NgramDrafter, chain_config
+    embed, lm_head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    torch.manual_seed(3)
+    eagle3 = Eagle3Head(eagle3_config(target.config, 64, [1, 2, 3])).eval()
+    eagle3.set_vocab(torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool))
+    eagle3.load_target_embedding(embed)
+    heads = {"eagle2": Eagle2Head(eagle2_config(target.config)), "mtp": MTPHead(mtp_config(target.config)),
+             "medusa": MedusaHead(medusa_config(target.config, HeadConfig(kind="medusa", num_heads=3)))}
+    with torch.no_grad():
+        for head in heads.values():
+            for param in head.parameters():
+                param.normal_(0, 0.2) if param.requires_grad and param.dim() > 1 else None
+            head.load_target_weights(embed, lm_head)
+            head.eval()
+    final = []                                 # the runner returns the final hidden state
+    return {"eagle3 chain": ([1, 2, 3], lambda b: Eagle3Drafter(eagle3, 200, chain_config(3), batch_size=b)),
+            "eagle3 tree": ([1, 2, 3], lambda b: Eagle3Drafter(eagle3, 200, TreeConfig(3, 2, 6), batch_size=b)),
+            "eagle2 tree": (final, lambda b: Eagle2Drafter(heads["eagle2"], 200, TreeConfig(3, 3, 8), batch_size=b)),
+            "mtp chain": (final, lambda b: MTPDrafter(heads["mtp"], 200, chain_config(3), batch_size=b)),
+            "mtp tree": (final, lambda b: MTPDrafter(heads["mtp"], 200, TreeConfig(3, 2, 6), batch_size=b)),
+            "medusa": (final, lambda b: MedusaDrafter(heads["medusa"], 200, TreeConfig(3, 2, 6), batch_size=b)),
+            "ngram": ([1, 2, 3], lambda b: NgramDrafter(4, 3, 1, batch_size=b)),
+            "draft-model": ([1, 2, 3], lambda b: DraftModelDrafter(small, 200, 3, batch_size=b))}
+
+
+def test_batched_decoding_is_exact_per_row(tiny_pair):
+    """B = 1, 3, 8 rows with mixed prompt lengths and per-row EOS, one batched drafter for the batch
+    (every head kind in chains and dynamic trees, n-gram and draft-model drafts of differing sizes):
+    every row equals plain greedy decoding of that prompt alone."""
+    import torch
+
+    from draftsmith.heads.tree import chain_tree
+    from draftsmith.runtime.baselines import chain_config
     from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate
     from draftsmith.runtime.generate import plain_generate
     from draftsmith.runtime.target import TargetRunner
     from draftsmith.runtime.verify import SamplingConfig
     target, small = tiny_pair
     layers = [1, 2, 3]
-    head = Eagle3Head(draft_config_from_target(target.config, 64, layers)).eval()
-    head.set_vocab(torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool))
-    head.load_target_embedding(target.get_input_embeddings().weight)
     gen = torch.Generator().manual_seed(1)
     # repetitive prompts so that prompt lookup finds matches of differing lengths
     prompts = [torch.randint(0, 64, (n,), generator=gen).repeat(r)[: n * r] for n, r in
@@ -107,46 +139,70 @@ def test_batched_decoding_is_exact_per_row(tiny_pair):
     probe = plain_generate(single, prompts[0], 24, greedy, set()).tokens
     eos = {probe[9]}                           # some rows stop early, at different rounds
     expected = [plain_generate(single, p, 24, greedy, eos).tokens for p in prompts]
-    makers = {"chain": lambda: Eagle3Drafter(head, 200, chain_config(3)),
-              "tree": lambda: Eagle3Drafter(head, 200, TreeConfig(3, 2, 6)),
-              "ngram": lambda: NgramDrafter(4, 3, 1),
-              "draft-model": lambda: DraftModelDrafter(small, 200, 3)}
     for size in (1, 3, 8):
-        runner = BatchRunner(target, size, 200, layers)
         rows = prompts[:size]
-        plain = batched_generate(runner, rows, 24, greedy, eos)
+        runners = {ids: BatchRunner(target, size, 200, list(ids)) for ids in ((1, 2, 3), ())}
+        plain = batched_generate(runners[(1, 2, 3)], rows, 24, greedy, eos)
         assert plain.tokens == expected[:size]
-        for name, make in makers.items():
-            result = batched_generate(runner, rows, 24, greedy, eos, [make() for _ in rows])
+        for name, (ids, make) in _batched_kinds(target, small).items():
+            result = batched_generate(runners[tuple(ids)], rows, 24, greedy, eos, make(size))
             assert result.tokens == expected[:size], (name, size)
-            assert result.ttft_seconds <= min(result.finish_seconds) and result.tokens_per_s > 0
+            assert result.ttft_seconds <= min(result.finish_seconds) and result.tokens_per_s > 0 and result.num_rounds > 0
     assert any(len(t) < 24 for t in expected) and any(len(t) == 24 for t in expected)   # EOS did split the rows
     # the cache length the sweep allocates holds rows that overshoot max_new_tokens in their last round
     # and idle while others decode (always-right drafts: every round commits the whole chain)
-    class Oracle:
-        tree_cfg = chain_config(7)
 
-        def __init__(self, continuation):
-            self.continuation = continuation
+    class Oracle:
+        tree_cfg, batch_size = chain_config(7), 3
+
+        def __init__(self, continuations):
+            self.continuations = continuations
 
         def reset(self):
-            self.seen = 0
+            self.seen = [0] * self.batch_size
 
-        def begin(self, prompt):
-            self.seen = 1 - len(prompt)       # extend carries prompt[1:], then generated tokens from the root on
+        def begin_rows(self, rows, prompts):
+            for r, p in zip(rows, prompts):
+                self.seen[r] = 1 - len(p)      # extend carries prompt[1:], then generated tokens from the root on
 
-        def extend(self, tokens, features):
-            self.seen += len(tokens)
+        def extend_rows(self, rows, tokens, features):
+            for r, t in zip(rows, tokens):
+                self.seen[r] += len(t)
 
-        def draft_tree(self, root):
-            return chain_tree(root, torch.tensor(self.continuation[self.seen:self.seen + 7]))
+        def draft_trees(self, roots):
+            return [chain_tree(root, torch.tensor(c[s:s + 7])) for root, c, s in zip(roots, self.continuations, self.seen)]
 
-    from draftsmith.heads.tree import chain_tree
     long = [torch.arange(n) % 5 for n in (9, 4, 17)]
     oracle = [plain_generate(single, p, 40, greedy, set()).tokens for p in long]
     tight = BatchRunner(target, 3, batch_max_len(long, 10, 8), layers)
-    result = batched_generate(tight, long, 10, greedy, set(), [Oracle(o) for o in oracle])
+    result = batched_generate(tight, long, 10, greedy, set(), Oracle(oracle))
     assert result.tokens == [o[:10] for o in oracle] and all(a == [7, 7] for a in result.accept_lengths)
+
+
+@pytest.mark.parametrize("name", ["eagle3 tree", "medusa"])
+def test_batched_sampling_follows_the_target(tiny_pair, name):
+    """Sampled speculative decoding of 4 rows at once (the same prompt in every row, one batched drafter):
+    the first two tokens follow the target's exact joint distribution (drafts sampled with proposals too)."""
+    import torch
+
+    from draftsmith.runtime.batched import BatchRunner, batched_generate
+    from draftsmith.runtime.verify import SamplingConfig, processed_probs
+    target, small = tiny_pair
+    ids, make = _batched_kinds(target, small)[name]
+    cfg, B, num_samples = SamplingConfig(temperature=1.0, top_k=4), 4, 1600
+    prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        p1 = processed_probs(target(prompt[None]).logits[0, -1], cfg)
+        joint = {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = processed_probs(target(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
+            joint.update({(a, b): (p1[a] * p2[b]).item() for b in torch.nonzero(p2).flatten().tolist()})
+    runner, drafter, gen, counts = BatchRunner(target, B, 64, list(ids)), make(B), torch.Generator().manual_seed(0), {}
+    for _ in range(num_samples // B):
+        for row in batched_generate(runner, [prompt] * B, 2, cfg, set(), drafter, gen).tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / num_samples - joint.get(k, 0.0)) for k in set(joint) | set(counts))
+    assert set(counts) <= set(joint) and tv < 0.07, tv
 
 
 def test_ngram_prompt_lookup():
@@ -213,8 +269,14 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeyp
         cell = d["cells"]["1"][str(low["k"])]
         assert low["tau"] == cell["tau"] and low["predicted_walltime_factor"] == pytest.approx(low["tau"] / (low["k"] * d["c"] + 1))
         assert low["measured_walltime_factor"] == pytest.approx(cell["tokens_per_s"] / data["plain"]["1"]["tokens_per_s"])
+        for b, x in d["by_batch_size"].items():          # c(B) and the refit recomputed from the cells
+            c, p = d["cells"][b][str(x["k"])], data["plain"][b]
+            assert x["c"] == pytest.approx(c["draft_seconds"] / max(c["num_rounds"], 1) / x["k"] / (p["seconds"] / max(p["num_rounds"], 1)))
+            assert x["predicted_walltime_factor"] == pytest.approx(c["tau"] / (x["k"] * x["c"] + 1))
+            assert x["draft_ms_per_round"] == pytest.approx(1e3 * c["draft_seconds"] / max(c["num_rounds"], 1))
     assert out["schedule"] == data["drafters"]["eagle3"]["schedule"]
-    assert (tmp_path / "econ" / "throughput.png").exists() and "Drafters side by side" in (tmp_path / "econ" / "economics.md").read_text()
+    report = (tmp_path / "econ" / "economics.md").read_text()
+    assert (tmp_path / "econ" / "throughput.png").exists() and "Drafters side by side" in report and "c(B)" in report
     # the model card of an export next to this economics report serves the measured K and carries the schedule
     head = recipe.run_dir / "head"
     placed = recipe.run_dir / "economics" / "economics.json"

@@ -13,12 +13,17 @@ def _convs(n):
         {"id": "t", "text": "preformatted text is kept as it is"}]
 
 
+def _counts(counts: dict) -> dict:
+    return {k: counts[k] for k in ("input", "regenerated", "reused", "skipped", "failed")}
+
+
 def test_regenerate_counts_and_resume(tmp_path, micro_target, tokenizer):
     recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=6", "data.regen.batch_size=3")
     out = tmp_path / "regen.jsonl"  # the data stage names it by target fingerprint
     items = _convs(5)
     result, counts = regenerate(recipe, tokenizer, items, out)
-    assert counts == {"input": 6, "regenerated": 5, "reused": 0, "skipped": 1, "failed": 0}
+    assert _counts(counts) == {"input": 6, "regenerated": 5, "reused": 0, "skipped": 1, "failed": 0}
+    assert sum(counts["finish_reasons"].values()) == 10 and counts["via"] == "in-process"
     assert [r["id"] for r in result] == [c["id"] for c in items]
     for new, old in zip(result[:5], items[:5]):
         assert [m["role"] for m in new["messages"]] == [m["role"] for m in old["messages"]]
@@ -28,6 +33,19 @@ def test_regenerate_counts_and_resume(tmp_path, micro_target, tokenizer):
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])
     again, counts = regenerate(recipe, tokenizer, items + _convs(7)[5:7], out)
-    assert counts == {"input": 8, "regenerated": 4, "reused": 3, "skipped": 1, "failed": 0}
+    assert _counts(counts) == {"input": 8, "regenerated": 4, "reused": 3, "skipped": 1, "failed": 0}
     assert again[0] == result[0]
     assert len({json.loads(l)["id"] for l in out.read_text().splitlines() if l.startswith("{") and l.endswith("}")}) >= 7
+
+
+def test_the_system_prompt_and_stop_strings_apply_to_what_the_target_is_asked(tmp_path, micro_target, tokenizer):
+    """The target sees the recipe's system prompt (as the data stage renders it); answers end before a stop
+    string, which is not kept (as servers return it); the stored record has no added system turn."""
+    from draftsmith.data.regen import cut_at_stop, with_system
+    messages = [{"role": "user", "content": "hi"}]
+    assert with_system(messages, "Be brief.") == [{"role": "system", "content": "Be brief."}] + messages
+    assert with_system([{"role": "system", "content": "own"}] + messages, "Be brief.")[0]["content"] == "own"
+    assert cut_at_stop("abc\ndef STOP ghi", ["STOP", "\n"]) == "abc" and cut_at_stop("abc", ["x"]) == "abc"
+    recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=6", "data.system_prompt=Be brief.")
+    result, _ = regenerate(recipe, tokenizer, _convs(1)[:1], tmp_path / "regen.jsonl")
+    assert result[0]["messages"][0]["role"] == "user"

@@ -108,7 +108,7 @@ def test_chain_drafting_builds_the_dynamic_tree_with_top_k_1(tiny, depth, nodes)
     _, aux, _ = runner.prefill(prompt)
     drafter.reset()
     drafter.extend(prompt[1:], aux[:-1])
-    chain, general = drafter.draft_chain(prompt[-1]), drafter.draft_dynamic(prompt[-1])
+    chain, general = drafter.draft_chains(prompt[-1:])[0], drafter.draft_dynamic(prompt[-1:])[0]
     assert len(chain) == min(depth + 1, nodes)
     for key in ("tokens_N", "parent_N", "depth_N", "mask_NN"):
         assert torch.equal(getattr(chain, key), getattr(general, key)), key

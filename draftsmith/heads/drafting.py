@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads import family
-from draftsmith.heads.tree import Tree, assemble_tree, chain_tree
+from draftsmith.heads.tree import Tree, assemble_trees, chain_tree
 
 StepCompiler = Callable[..., Callable]  # (fn, static_buffers=()) -> fn with the same signature
 
@@ -36,143 +36,200 @@ class TreeConfig:
 
 
 class Drafter(Protocol):
+    """Drafts for B rows at once (`batch_size`, 1 by default), each row with its own committed length;
+    the batch-1 calls `extend`/`draft_tree` are the B = 1 case of the same code."""
     tree_cfg: TreeConfig
+    batch_size: int
 
     def reset(self) -> None:
-        """Forget every committed position (a new prompt follows)."""
+        """Forget every committed position of every row (new prompts follow)."""
 
-    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor) -> None:
-        """Commit T positions: the target's features there and the tokens one ahead of them."""
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        """Commit, for each listed row, T_r positions: the target's features there and the tokens one
+        ahead of them (rows extend by different numbers: each accepted its own path)."""
 
-    def draft_tree(self, root: torch.Tensor) -> Tree:
-        """A tree of `tree_cfg.num_nodes` nodes at most, rooted at `root` (the target's last token)."""
+    def draft_trees(self, roots_B: torch.Tensor) -> list:
+        """One tree per row, `tree_cfg.num_nodes` nodes at most, rooted at the row's root token."""
 
     # optional: set_sampling(temperature, gen) for drafters that sample their drafts; calibrate(...)
-    # for drafters that shape their tree from measured accuracies; begin(prompt_T) for drafters that
-    # read the prompt's first token too (extend never carries it: the runtime's baselines)
+    # for drafters that shape their tree from measured accuracies; begin_rows(rows, prompts) for
+    # drafters that read the prompt's first token too (extend never carries it: the runtime's baselines)
 
 
-def attend_with_mask(q, k, v, allowed_NL: torch.Tensor):
-    """SDPA over explicit keys with a boolean [N, L] visibility mask (GQA expanded by SDPA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_NL[None, None], enable_gqa=q.shape[1] != k.shape[1])
+class BatchOfOne:
+    """The batch-1 calls every drafter offers, as the B = 1 case of its batched ones."""
+
+    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor | None = None) -> None:
+        self.extend_rows([0], [tokens_T], [features_TK])
+
+    def draft_tree(self, root: torch.Tensor) -> Tree:
+        return self.draft_trees(root.view(1))[0]
+
+    def begin(self, prompt_T: torch.Tensor) -> None:
+        if hasattr(self, "begin_rows"):
+            self.begin_rows([0], [prompt_T])
 
 
-class TreeDrafter:
+def attend_with_mask(q, k, v, allowed: torch.Tensor):
+    """SDPA over explicit keys with a boolean visibility mask, [N, L] or per row [B, N, L] (GQA expanded by SDPA)."""
+    mask = allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def pad_rows(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
+    """[R, length, ...] from R tensors of at most `length` leading entries, padded with `fill`."""
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), fill)
+    for r, row in enumerate(rows):
+        out[r, :len(row)] = row
+    return out
+
+
+class TreeDrafter(BatchOfOne):
     """The `Drafter` of heads that run one attention layer per step over a draft KV cache of their
-    own (EAGLE-3, EAGLE-2, MTP): a preallocated cache that keeps committed context only, and an
-    EAGLE-2 dynamic tree whose node KV lives in scratch space past the committed length, dropped
-    (overwritten) after each round.
+    own (EAGLE-3, EAGLE-2, MTP), for B rows at once: a preallocated cache [B, kv, L, d] that keeps each
+    row's committed context only (row b's at [0, length_b)), and EAGLE-2 dynamic trees whose node KV
+    lives in each row's scratch space past its committed length, overwritten after each round. One
+    draft forward per depth serves the whole batch; the last cache slot takes the writes of padding.
 
-    Draft position t pairs target feature f_t with token x_{t+1}. A tree node at depth d is fed at
-    draft position (committed - 1 + d) with its parent's output as hidden state. A head supplies
+    Draft position t pairs target feature f_t with token x_{t+1}. A tree node at depth d of row b is
+    fed at draft position (length_b - 1 + d) with its parent's output as hidden state. A head supplies
     `step(tokens, h, positions, attend)`, `logits(h)`, `to_target_ids(ids)`; a kind's subclass says
     how the target's features become the first step's hidden state (`first_hidden`)."""
 
-    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step: StepCompiler = eager):
-        self.head, self.tree_cfg, self.max_len = head, tree, max_len
+    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step: StepCompiler = eager, batch_size: int = 1):
+        self.head, self.tree_cfg, self.max_len, self.batch_size = head, tree, max_len + 1, batch_size
         p = next(head.parameters())
         num_kv, k_dim, v_dim = family.kv_cache_dims(head.config)
-        self.k = torch.zeros((1, num_kv, max_len, k_dim), dtype=p.dtype, device=p.device)
-        self.v = torch.zeros((1, num_kv, max_len, v_dim), dtype=p.dtype, device=p.device)
-        self.device, self.length = p.device, 0
+        self.k = torch.zeros((batch_size, num_kv, self.max_len, k_dim), dtype=p.dtype, device=p.device)
+        self.v = torch.zeros((batch_size, num_kv, self.max_len, v_dim), dtype=p.dtype, device=p.device)
+        self.trash = self.max_len - 1  # where padding entries write: never attended
+        self.device, self.lengths = p.device, [0] * batch_size
+        self.lengths_B = torch.zeros(batch_size, dtype=torch.long, device=p.device)
         self.h_last = self.logits_last = None
+        self.rows_B = torch.arange(batch_size, device=p.device)
         self.step_fn = compile_step(self._step_static, (self.k, self.v))
 
     def reset(self) -> None:
-        self.length = 0
+        self.lengths = [0] * self.batch_size
+        self.lengths_B.zero_()
+
+    def _write(self, write_at_BT: torch.Tensor, k, v) -> None:
+        """K/V [B, kv, T, d] of every row at its own slots `write_at_BT` (one batched index_put)."""
+        rows = self.rows_B[:, None].expand_as(write_at_BT)
+        self.k.permute(0, 2, 1, 3).index_put_((rows, write_at_BT), k.transpose(1, 2))
+        self.v.permute(0, 2, 1, 3).index_put_((rows, write_at_BT), v.transpose(1, 2))
 
     @torch.no_grad()
-    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor) -> None:
-        """Commit positions [length, length+T): features from the target, tokens one ahead."""
-        T, start = len(tokens_T), self.length
-        positions = torch.arange(start, start + T, device=self.device)
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        """Commit positions [length_r, length_r + T_r) of each listed row in one forward over all B rows
+        (rows not listed, and the padding of shorter ones, write to the trash slot and are not read)."""
+        counts = [0] * self.batch_size
+        for r, t in zip(rows, tokens):
+            counts[r] = len(t)
+        T, dev = max(counts), self.device
+        if max(n + c for n, c in zip(self.lengths, counts)) > self.trash:
+            raise ValueError(f"draft context exceeds the runtime's max_len={self.max_len - 1}")
+        empty_tok, empty_feat = tokens[0][:0], features[0][:0]
+        by_row = {r: (t, f) for r, t, f in zip(rows, tokens, features)}
+        tokens_BT = pad_rows([by_row.get(b, (empty_tok, None))[0] for b in range(self.batch_size)], T)
+        feats_BTK = pad_rows([by_row.get(b, (None, empty_feat))[1] for b in range(self.batch_size)], T).to(self.k.dtype)
+        counts_B = torch.tensor(counts, device=dev)
+        offsets = torch.arange(T, device=dev)
+        positions = self.lengths_B[:, None] + offsets
+        write_at = torch.where(offsets < counts_B[:, None], positions, self.trash)
+        allowed = torch.arange(self.max_len, device=dev)[None, None, :] <= positions[:, :, None]
+        allowed[:, :, self.trash] = False
 
         def attend(q, k, v):
-            self.k[:, :, start:start + T] = k
-            self.v[:, :, start:start + T] = v
-            allowed = torch.ones(T, start + T, dtype=torch.bool, device=self.device)
-            allowed[:, start:] = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            return attend_with_mask(q, self.k[:, :, :start + T], self.v[:, :, :start + T], allowed)
+            self._write(write_at, k, v)
+            return attend_with_mask(q, self.k, self.v, allowed)
 
-        h = self.first_hidden(features_TK.to(self.k.dtype))[None]
-        out = self.head.step(tokens_T[None], h, positions[None], attend)[0]
-        self.length += T
-        self.h_last, self.logits_last = out[-1], self.head.logits(out[-1:])[0].float()
+        out = self.head.step(tokens_BT, self.first_hidden(feats_BTK), positions, attend)
+        last = out[self.rows_B, (counts_B - 1).clamp(min=0)]                       # [B, H]
+        logits = self.head.logits(last[:, None])[:, 0].float()
+        if self.h_last is None:
+            self.h_last, self.logits_last = torch.zeros_like(last), torch.zeros_like(logits)
+        moved = (counts_B > 0)[:, None]
+        self.h_last, self.logits_last = torch.where(moved, last, self.h_last), torch.where(moved, logits, self.logits_last)
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.lengths_B += counts_B
 
-    def first_hidden(self, features_TK: torch.Tensor) -> torch.Tensor:
+    def first_hidden(self, features_BTK: torch.Tensor) -> torch.Tensor:
         """The hidden state a committed position's first step reads (kinds override)."""
-        return features_TK
+        return features_BTK
 
-    def _step_static(self, tokens_F, h_FH, positions_F, write_at_F, allowed_FL):
-        """Fixed shapes (frontier F, whole cache L): writes K/V at `write_at_F`, attends under
-        `allowed_FL`. This is what CUDA graphs capture; every input is a tensor, nothing syncs."""
+    def _step_static(self, tokens_BF, h_BFH, positions_BF, write_at_BF, allowed_BFL):
+        """Fixed shapes (B rows, frontier F, whole cache L): writes K/V at `write_at_BF`, attends under
+        `allowed_BFL`. This is what CUDA graphs capture; every input is a tensor, nothing syncs."""
         def attend(q, k, v):
-            self.k.index_copy_(2, write_at_F, k)
-            self.v.index_copy_(2, write_at_F, v)
-            return attend_with_mask(q, self.k, self.v, allowed_FL)
+            self._write(write_at_BF, k, v)
+            return attend_with_mask(q, self.k, self.v, allowed_BFL)
 
-        out = self.head.step(tokens_F[None], h_FH[None], positions_F[None], attend)[0]
+        out = self.head.step(tokens_BF, h_BFH, positions_BF, attend)
         return out, torch.log_softmax(self.head.logits(out).float(), -1)
 
-    def _expand(self, tokens_F, h_FH, depth: int, num_tree: int, tree_allowed_FM):
-        """One batched step for the frontier. Tree KV goes in the cache's scratch space right after
-        the committed context, [length, length+num_tree+F), and is overwritten by the next extend."""
-        F_, base = len(tokens_F), self.length + num_tree
-        if base + F_ > self.max_len:
-            raise ValueError(f"draft tree does not fit the runtime's max_len={self.max_len}")
-        allowed = torch.zeros(F_, self.max_len, dtype=torch.bool, device=self.device)
-        allowed[:, :self.length] = True
-        allowed[:, self.length:base] = tree_allowed_FM
-        allowed[:, base:base + F_] = torch.eye(F_, dtype=torch.bool, device=self.device)
-        positions = torch.full((F_,), self.length - 1 + depth, device=self.device)
-        write_at = torch.arange(base, base + F_, device=self.device)
-        return self.step_fn(tokens_F, h_FH, positions, write_at, allowed)
+    def _expand(self, tokens_BF, h_BFH, depth: int, num_tree: int, tree_allowed_BFM):
+        """One batched step for every row's frontier. Row b's tree KV goes in its scratch space right
+        after its committed context, [length_b, length_b + num_tree + F), overwritten by the next extend."""
+        B, F_ = tokens_BF.shape
+        if max(self.lengths) + num_tree + F_ > self.trash:
+            raise ValueError(f"draft tree does not fit the runtime's max_len={self.max_len - 1}")
+        dev, lengths = self.device, self.lengths_B[:, None, None]
+        allowed = (torch.arange(self.max_len, device=dev)[None, None, :] < lengths).expand(B, F_, self.max_len).clone()
+        if num_tree:
+            allowed.scatter_(2, lengths + torch.arange(num_tree, device=dev).expand(B, F_, num_tree), tree_allowed_BFM)
+        write_at = self.lengths_B[:, None] + num_tree + torch.arange(F_, device=dev)
+        allowed.scatter_(2, write_at[:, :, None], True)
+        positions = (self.lengths_B - 1 + depth)[:, None].expand(B, F_)
+        return self.step_fn(tokens_BF, h_BFH, positions, write_at, allowed)
 
     @torch.no_grad()
-    def draft_tree(self, root: torch.Tensor) -> Tree:
-        """EAGLE-2: expand the top-k frontier by cumulative log-prob `depth` times, rerank globally.
-        With top_k 1 the tree is a chain, drafted without the frontier bookkeeping (same tree)."""
+    def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
+        """EAGLE-2: expand each row's top-k frontier by cumulative log-prob `depth` times, rerank per row.
+        With top_k 1 the trees are chains, drafted without the frontier bookkeeping (same trees)."""
         if self.tree_cfg.top_k == 1:
-            return self.draft_chain(root)
-        return self.draft_dynamic(root)
+            return self.draft_chains(roots_B)
+        return self.draft_dynamic(roots_B)
 
     @torch.no_grad()
-    def draft_chain(self, root: torch.Tensor) -> Tree:
+    def draft_chains(self, roots_B: torch.Tensor) -> list[Tree]:
         length = min(self.tree_cfg.depth, self.tree_cfg.num_nodes - 1)
-        draft_id = self.logits_last.argmax(-1, keepdim=True)
-        tokens, h = [self.head.to_target_ids(draft_id)], self.h_last[None]
+        draft_ids = self.logits_last.argmax(-1, keepdim=True)                     # [B, 1]
+        tokens, h = [self.head.to_target_ids(draft_ids)], self.h_last[:, None]
+        B = len(roots_B)
         for depth in range(1, length):
-            above = torch.ones(1, depth - 1, dtype=torch.bool, device=self.device)
+            above = torch.ones(B, 1, depth - 1, dtype=torch.bool, device=self.device)
             out, logp = self._expand(tokens[-1], h, depth, depth - 1, above)
             tokens.append(self.head.to_target_ids(logp.argmax(-1)))
             h = out
-        return chain_tree(root, torch.cat(tokens))
+        drafted = torch.cat(tokens, 1)[:, :length]
+        return [chain_tree(roots_B[b], drafted[b]) for b in range(B)]
 
     @torch.no_grad()
-    def draft_dynamic(self, root: torch.Tensor) -> Tree:
-        K, dev = self.tree_cfg.top_k, self.device
-        logp = torch.log_softmax(self.logits_last, -1)
-        score, draft_ids = torch.topk(logp, K)
-        cand = {"tokens": [self.head.to_target_ids(draft_ids)], "parent": [torch.full((K,), -1, device=dev)],
-                "score": [score], "depth": [torch.ones(K, dtype=torch.long, device=dev)]}
-        frontier = torch.arange(K, device=dev)            # candidate indices
-        frontier_h = self.h_last.expand(K, -1)
-        anc = torch.zeros(K, 0, dtype=torch.bool, device=dev)  # frontier x expanded nodes: ancestry
-        flat = lambda key: torch.cat(cand[key])  # noqa: E731
+    def draft_dynamic(self, roots_B: torch.Tensor) -> list[Tree]:
+        K, dev, B = self.tree_cfg.top_k, self.device, len(roots_B)
+        score, draft_ids = torch.topk(torch.log_softmax(self.logits_last, -1), K)      # [B, K]
+        cand = {"tokens": [self.head.to_target_ids(draft_ids)], "parent": [torch.full((B, K), -1, device=dev)],
+                "score": [score], "depth": [torch.ones(B, K, dtype=torch.long, device=dev)]}
+        frontier = torch.arange(K, device=dev).expand(B, K)          # candidate indices per row
+        frontier_h = self.h_last[:, None].expand(B, K, self.h_last.shape[-1])
+        anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)     # frontier x expanded nodes: ancestry
+        flat = lambda key: torch.cat(cand[key], 1)  # noqa: E731
         for depth in range(1, self.tree_cfg.depth):
-            out, logp = self._expand(flat("tokens")[frontier], frontier_h, depth, anc.shape[1], anc)
-            child_score, child_ids = torch.topk(logp, K, dim=-1)                      # [K, K]
-            total = flat("score")[frontier, None] + child_score
-            base = sum(len(t) for t in cand["tokens"])
-            cand["tokens"].append(self.head.to_target_ids(child_ids.flatten()))
-            cand["parent"].append(frontier.repeat_interleave(K))
-            cand["score"].append(total.flatten())
-            cand["depth"].append(torch.full((K * K,), depth + 1, dtype=torch.long, device=dev))
-            best = torch.topk(total.flatten(), K).indices
+            out, logp = self._expand(flat("tokens").gather(1, frontier), frontier_h, depth, anc.shape[2], anc)
+            child_score, child_ids = torch.topk(logp, K, dim=-1)                            # [B, K, K]
+            total = flat("score").gather(1, frontier)[:, :, None] + child_score
+            base = sum(t.shape[1] for t in cand["tokens"])
+            cand["tokens"].append(self.head.to_target_ids(child_ids.flatten(1)))
+            cand["parent"].append(frontier.repeat_interleave(K, dim=1))
+            cand["score"].append(total.flatten(1))
+            cand["depth"].append(torch.full((B, K * K), depth + 1, dtype=torch.long, device=dev))
+            best = torch.topk(total.flatten(1), K).indices
             # ancestors of the new frontier among expanded nodes: the parent's row plus the parent itself
             parent_slot = best // K
-            eye = torch.eye(K, dtype=torch.bool, device=dev)
-            anc = torch.cat([anc, eye], dim=1)[parent_slot]
-            frontier, frontier_h = base + best, out[parent_slot]
-        return assemble_tree(root, flat("tokens"), flat("parent"), flat("score"), flat("depth"), self.tree_cfg.num_nodes,
-                             max_depth=self.tree_cfg.depth)
+            eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+            anc = torch.cat([anc, eye], dim=2).gather(1, parent_slot[:, :, None].expand(B, K, anc.shape[2] + K))
+            frontier = base + best
+            frontier_h = out.gather(1, parent_slot[:, :, None].expand(B, K, out.shape[-1]))
+        return assemble_trees(roots_B, flat("tokens"), flat("parent"), flat("score"), flat("depth"),
+                              self.tree_cfg.num_nodes, max_depth=self.tree_cfg.depth)

@@ -28,35 +28,45 @@ class Tree:
 
 
 def ancestor_mask(parent_N: torch.Tensor, depth_N: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
-    """Row i = i plus its ancestors; built depth by depth (parents precede children). With
-    `max_depth` given, nothing reads back from the device (no host sync)."""
-    N = len(parent_N)
-    mask = torch.eye(N, dtype=torch.bool, device=parent_N.device)
+    """Row i = i plus its ancestors; built depth by depth (parents precede children). Leading batch
+    dimensions are kept ([..., N] -> [..., N, N]). With `max_depth` given, nothing reads back from the
+    device (no host sync)."""
+    N = parent_N.shape[-1]
+    mask = torch.eye(N, dtype=torch.bool, device=parent_N.device).expand(*parent_N.shape[:-1], N, N).clone()
     levels = max_depth if max_depth is not None else (int(depth_N.max()) if N > 1 else 0)
-    parent = parent_N.clamp(min=0)
+    parent = parent_N.clamp(min=0)[..., :, None].expand(mask.shape)
     for d in range(1, levels + 1):
-        mask = torch.where((depth_N == d)[:, None], mask | mask[parent], mask)
+        mask = torch.where((depth_N == d)[..., None], mask | mask.gather(-2, parent), mask)
     return mask
+
+
+def assemble_trees(roots_B: torch.Tensor, tokens_BC: torch.Tensor, parent_BC: torch.Tensor, score_BC: torch.Tensor,
+                   depth_BC: torch.Tensor, num_nodes: int, max_depth: int | None = None) -> list[Tree]:
+    """EAGLE-2 rerank, for B rows at once: each row keeps its best num_nodes-1 candidates by cumulative
+    log-prob. Candidates are listed in creation order (parents first); a stable sort keeps a parent
+    ahead of a child with an equal score, so the chosen set is ancestor-closed even with ties. NaN
+    scores (a broken head) sort last instead of corrupting the tree."""
+    B, C = tokens_BC.shape
+    keep, dev = min(num_nodes - 1, C), roots_B.device
+    score = torch.nan_to_num(score_BC, nan=float("-inf"))
+    order = torch.sort(-score, dim=-1, stable=True).indices[:, :keep]
+    chosen = torch.sort(order, dim=-1).values  # back to creation order = topological order
+    position = torch.full((B, C), -1, dtype=torch.long, device=dev)
+    position.scatter_(1, chosen, torch.arange(1, keep + 1, device=dev).expand(B, keep))
+    chosen_parent = parent_BC.gather(1, chosen)
+    parent = torch.where(chosen_parent < 0, 0, position.gather(1, chosen_parent.clamp(min=0)))
+    tokens = torch.cat([roots_B.view(B, 1), tokens_BC.gather(1, chosen)], 1)
+    parent = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parent], 1)
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), depth_BC.gather(1, chosen)], 1)
+    mask = ancestor_mask(parent, depth, max_depth)
+    return [Tree(tokens[b], parent[b], depth[b], mask[b]) for b in range(B)]
 
 
 def assemble_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parent: torch.Tensor,
                   cand_score: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int | None = None) -> Tree:
-    """EAGLE-2 rerank: keep the best num_nodes-1 candidates by cumulative log-prob.
-
-    Candidates are listed in creation order (parents first); a stable sort keeps a parent ahead of
-    a child with an equal score, so the chosen set is ancestor-closed even with ties. NaN scores
-    (a broken head) sort last instead of corrupting the tree."""
-    keep = min(num_nodes - 1, len(cand_tokens))
-    score = torch.nan_to_num(cand_score, nan=float("-inf"))
-    order = torch.sort(-score, stable=True).indices[:keep]
-    chosen = torch.sort(order).values  # back to creation order = topological order
-    position = torch.full((len(cand_tokens) + 1,), -1, dtype=torch.long, device=root.device)
-    position[chosen] = torch.arange(1, keep + 1, device=root.device)
-    parent = torch.where(cand_parent[chosen] < 0, torch.zeros_like(chosen), position[cand_parent[chosen]])
-    tokens = torch.cat([root.view(1), cand_tokens[chosen]])
-    parent = torch.cat([torch.tensor([-1], device=root.device), parent])
-    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=root.device), cand_depth[chosen]])
-    return Tree(tokens, parent, depth, ancestor_mask(parent, depth, max_depth))
+    """One row of `assemble_trees`."""
+    return assemble_trees(root.view(1), cand_tokens[None], cand_parent[None], cand_score[None], cand_depth[None],
+                          num_nodes, max_depth)[0]
 
 
 class StaticLayout:

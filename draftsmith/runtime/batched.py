@@ -105,6 +105,7 @@ class BatchResult:
     accept_lengths: list[list[int]] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    num_rounds: int = 0                       # draft + verify rounds (one per batch step)
 
     @property
     def num_tokens(self) -> int:
@@ -140,48 +141,51 @@ def pad_trees(trees: list[Tree], device, num_nodes: int = 1) -> tuple[torch.Tens
     return tokens, depth, mask
 
 
-def _start_drafters(drafters, prompts, roots, features, sampling, gen) -> None:
-    for drafter, prompt, root, feats in zip(drafters, prompts, roots, features):
-        drafter.reset()
-        if hasattr(drafter, "set_sampling"):
-            drafter.set_sampling(0.0 if sampling.greedy else sampling.temperature, gen)
-        if hasattr(drafter, "begin"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
-            drafter.begin(prompt)
-        drafter.extend(torch.cat([prompt[1:], root.view(1)]), feats)
+def _start_drafter(drafter, prompts, roots, features, sampling, gen) -> None:
+    drafter.reset()
+    if hasattr(drafter, "set_sampling"):
+        drafter.set_sampling(0.0 if sampling.greedy else sampling.temperature, gen)
+    rows = list(range(len(prompts)))
+    if hasattr(drafter, "begin_rows"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
+        drafter.begin_rows(rows, prompts)
+    drafter.extend_rows(rows, [torch.cat([p[1:], r.view(1)]) for p, r in zip(prompts, roots)], features)
 
 
 @torch.no_grad()
 def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingConfig,
-                     eos_ids: set[int], drafters: list | None = None, gen: torch.Generator | None = None) -> BatchResult:
-    """Decode every prompt in one batch; with `drafters` (one per row) speculatively. Greedy output
-    of each row equals plain greedy decoding of that prompt alone, token for token."""
-    if len(prompts) != target.batch_size or (drafters is not None and len(drafters) != len(prompts)):
+                     eos_ids: set[int], drafter=None, gen: torch.Generator | None = None) -> BatchResult:
+    """Decode every prompt in one batch; with a batched `drafter` (heads/drafting.py, batch_size = B)
+    speculatively: one draft call per round for every row, one verify forward. Greedy output of each
+    row equals plain greedy decoding of that prompt alone, token for token."""
+    if len(prompts) != target.batch_size or (drafter is not None and drafter.batch_size != len(prompts)):
         raise ValueError(f"{len(prompts)} prompts for a batch of {target.batch_size} rows "
-                         f"({'no' if drafters is None else len(drafters)} drafters)")
+                         f"(drafter for {'no' if drafter is None else drafter.batch_size} rows)")
     _sync(target.device)
     start = time.perf_counter()
     target.reset()
     logits, features = target.prefill_rows(prompts)
     roots = [sample_token(row, sampling, gen) for row in logits]
-    if drafters is not None:
-        _start_drafters(drafters, prompts, roots, features, sampling, gen)
+    if drafter is not None:
+        _start_drafter(drafter, prompts, roots, features, sampling, gen)
     state = [_finish([], [int(root)], eos_ids, max_new_tokens) for root in roots]
     tokens, done = [s[0] for s in state], [s[1] for s in state]
     _sync(target.device)
     ttft = time.perf_counter() - start
     result = BatchResult(tokens, 0.0, ttft, [ttft] * len(prompts), [[] for _ in prompts])
     # one verify shape per run (CUDA graphs capture fixed shapes), even when drafts come up short
-    num_nodes = max(d.tree_cfg.num_nodes for d in drafters) if drafters is not None else 1
+    num_nodes = drafter.tree_cfg.num_nodes if drafter is not None else 1
     while not all(done):
         t0 = time.perf_counter()
-        trees = [chain_tree(root, root.view(1)[:0]) if done[b] or drafters is None else drafters[b].draft_tree(root)
-                 for b, root in enumerate(roots)]
+        drafted = drafter.draft_trees(torch.stack(roots)) if drafter is not None else None
+        trees = [chain_tree(root, root.view(1)[:0]) if done[b] or drafted is None else drafted[b] for b, root in enumerate(roots)]
         t1 = time.perf_counter()
         logits, features, _ = target.forward(*pad_trees(trees, target.device, num_nodes))
         verdicts = [None if done[b] else verify(tree, logits[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
         target.commit_rows([v[0] if v else roots[0].new_zeros(0) for v in verdicts])
         result.draft_seconds += t1 - t0
         result.verify_seconds += time.perf_counter() - t1
+        result.num_rounds += 1
+        extend = ([], [], [])
         for b, verdict in enumerate(verdicts):
             if verdict is None:
                 continue
@@ -190,9 +194,12 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
             result.accept_lengths[b].append(len(path) - 1)
             tokens[b], done[b] = _finish(tokens[b], accepted.tolist() + [int(bonus)], eos_ids, max_new_tokens)
             result.finish_seconds[b] = time.perf_counter() - start
-            if not done[b] and drafters is not None:
-                drafters[b].extend(torch.cat([accepted, bonus.view(1)]), features[b, path])
+            if not done[b]:
+                for store, value in zip(extend, (b, torch.cat([accepted, bonus.view(1)]), features[b, path])):
+                    store.append(value)
             roots[b] = bonus
+        if drafter is not None and extend[0]:
+            drafter.extend_rows(*extend)
     _sync(target.device)
     result.seconds = time.perf_counter() - start
     return result

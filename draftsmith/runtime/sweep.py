@@ -10,9 +10,9 @@ the best K per batch size, the crossover (the batch size from which K = 0 wins),
 next to the measured speedup at batch size 1, and with a $/h price the cost per 1M output tokens,
 the multiplier M and the break-even extra $/h. Writes economics.json, economics.md and plots.
 
-Rows draft one after the other (each drafter instance is batch 1); verification is one batched
-target forward. At large batch sizes a drafter that batches its own steps would cost less than
-measured here, so the speculative figures are conservative."""
+Drafting is batched like verification: one drafter per (K, batch size) drafts every row in one draft
+forward per depth (heads/drafting.py), so c(B), the draft step's cost relative to a plain decode step
+at the same batch size, is measured per batch size and refits Theorem 3.8's prediction there."""
 from __future__ import annotations
 
 import json
@@ -89,30 +89,32 @@ def _cell(results: list, plains: list | None = None) -> dict:
     seconds = sum(r.seconds for r in results)
     cell = {"tokens_per_s": tokens / seconds, "tpot_ms": 1e3 * sum(r.tpot_seconds for r in results) / len(results),
             "ttft_ms": 1e3 * sum(r.ttft_seconds for r in results) / len(results), "num_tokens": tokens, "seconds": seconds,
-            "num_batches": len(results)}
+            "num_batches": len(results), "num_rounds": sum(r.num_rounds for r in results)}
     if plains is not None:
         rounds = [a for r in results for row in r.accept_lengths for a in row]
         exact = [a == b for r, p in zip(results, plains) for a, b in zip(r.tokens, p.tokens)]
         cell.update(tau=sum(a + 1 for a in rounds) / max(len(rounds), 1), num_exact_rows=sum(exact), num_rows=len(exact),
-                    draft_seconds=sum(r.draft_seconds for r in results), verify_seconds=sum(r.verify_seconds for r in results))
+                    draft_seconds=sum(r.draft_seconds for r in results), verify_seconds=sum(r.verify_seconds for r in results),
+                    draft_ms_per_round=1e3 * sum(r.draft_seconds for r in results) / max(cell["num_rounds"], 1))
     return cell
 
 
 class Sweep:
-    """Runs the grid for one target; `drafters` maps a name to a factory `k -> drafter`. A batch size
-    below the number of prompts runs several batches, so every cell decodes every prompt at least once."""
+    """Runs the grid for one target; `drafters` maps a name to a factory `(k, batch_size) -> drafter` (one
+    batched drafter serves every row). A batch size below the number of prompts runs several batches, so
+    every cell decodes every prompt at least once."""
 
     def __init__(self, model, layer_ids, prompts, domains, eos, max_new_tokens, max_len, device):
         self.model, self.layer_ids, self.prompts, self.domains = model, layer_ids, prompts, domains
         self.eos, self.max_new_tokens, self.max_len, self.device = eos, max_new_tokens, max_len, device
-        self.pools: dict[tuple[str, int], list] = {}
+        self.pools: dict[tuple[str, int, int], object] = {}
         self.row_accepts: dict[str, dict[str, list[int]]] = {}
 
-    def _drafters(self, name: str, factory, k: int, batch_size: int) -> list:
-        pool = self.pools.setdefault((name, k), [])
-        while len(pool) < batch_size:
-            pool.append(factory(k))
-        return pool[:batch_size]
+    def _drafter(self, name: str, factory, k: int, batch_size: int):
+        if (name, k, batch_size) not in self.pools:
+            self.pools = {key: d for key, d in self.pools.items() if key[2] == batch_size}  # free other sizes' caches
+            self.pools[(name, k, batch_size)] = factory(k, batch_size)
+        return self.pools[(name, k, batch_size)]
 
     def _groups(self, batch_size: int) -> list[list[int]]:
         count = -(-len(self.prompts) // batch_size)
@@ -128,8 +130,8 @@ class Sweep:
         for name, factory in drafters.items():
             out[name] = {}
             for k in ks[name]:
-                pool = self._drafters(name, factory, k, batch_size)
-                results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos, pool)
+                drafter = self._drafter(name, factory, k, batch_size)
+                results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos, drafter)
                            for g in groups]
                 out[name][k] = _cell(results, plains)
                 if k == max(ks[name]):
@@ -170,6 +172,7 @@ def summarize(name: str, cells: dict, plain: dict, gamma_c: float, usd: float | 
         predicted.append({"k": k, "tau": c["tau"], "alpha_iid": econ.alpha_from_tau(c["tau"], k),
                           "predicted": econ.walltime_factor(c["tau"], k, gamma_c),
                           "measured": c["tokens_per_s"] / plain[first]["tokens_per_s"]})
+    by_size = {str(b): _at_batch_size(cells[b], plain[b], best[b]) for b in sizes}
     k1 = best[first] or max(cells[first], key=lambda k: cells[first][k]["tokens_per_s"])
     tau1 = cells[first][k1]["tau"]
     out = {"c": gamma_c, "best_k": {str(b): best[b] for b in sizes}, "schedule": schedule, "crossover_batch_size": crossover,
@@ -179,7 +182,7 @@ def summarize(name: str, cells: dict, plain: dict, gamma_c: float, usd: float | 
                          "break_even_c": econ.break_even_cost(tau1, k1),
                          "predicted_walltime_factor": econ.walltime_factor(tau1, k1, gamma_c),
                          "measured_walltime_factor": cells[first][k1]["tokens_per_s"] / plain[first]["tokens_per_s"]},
-           "predicted_vs_measured": predicted}
+           "predicted_vs_measured": predicted, "by_batch_size": by_size}
     if usd is not None:
         out["cost"] = {}
         for b in sizes:
@@ -192,6 +195,19 @@ def summarize(name: str, cells: dict, plain: dict, gamma_c: float, usd: float | 
                 "spec_usd_per_mtok": econ.usd_per_million_tokens(usd + extra, spec), "multiplier": multiplier,
                 "break_even_extra_usd_per_hour": break_even, "extra_usd_per_hour": extra, "pays": extra < break_even}
     return out
+
+
+def _at_batch_size(cells: dict, plain: dict, best_k: int) -> dict:
+    """c(B) and Theorem 3.8 refit at one batch size: the draft step's cost over a plain decode step at the
+    same batch size (draft seconds per round / K over plain seconds per round), at the best K (the
+    largest when K = 0 wins), the predicted walltime factor with that c(B) next to the measured one."""
+    k = best_k or max(cells)
+    cell = cells[k]
+    plain_step = plain["seconds"] / max(plain.get("num_rounds", 0), 1)
+    c = cell.get("draft_seconds", 0.0) / max(cell.get("num_rounds", 0), 1) / k / plain_step
+    return {"k": k, "c": c, "draft_ms_per_round": cell.get("draft_ms_per_round"), "tau": cell["tau"],
+            "predicted_walltime_factor": econ.walltime_factor(cell["tau"], k, c),
+            "measured_walltime_factor": cell["tokens_per_s"] / plain["tokens_per_s"]}
 
 
 def sglang_settings(schedule: list[list[int]]) -> dict:
@@ -248,9 +264,9 @@ def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: in
     from draftsmith.heads.registry import head_spec
     cfg = recipe.economics
     spec = head_spec(draft_head.kind)
-    factories = {draft_head.kind: lambda k: spec.drafter(draft_head, max_len, chain_config(k))}
+    factories = {draft_head.kind: lambda k, b=1: spec.drafter(draft_head, max_len, chain_config(k), batch_size=b)}
     if "ngram" in cfg.baselines:
-        factories["ngram"] = lambda k: NgramDrafter(k, cfg.ngram_max, cfg.ngram_min)
+        factories["ngram"] = lambda k, b=1: NgramDrafter(k, cfg.ngram_max, cfg.ngram_min, batch_size=b)
     if "draft-model" in cfg.baselines and cfg.draft_model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,7 +278,7 @@ def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: in
         where = f"economics.draft_model={cfg.draft_model}"
         check_shared_tokenizer(tokenizer, AutoTokenizer.from_pretrained(cfg.draft_model), where)
         small = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=model.dtype, attn_implementation="sdpa").to(device).eval()
-        factories["draft-model"] = lambda k: DraftModelDrafter(small, max_len, k)
+        factories["draft-model"] = lambda k, b=1: DraftModelDrafter(small, max_len, k, batch_size=b)
     return factories
 
 
@@ -335,7 +351,7 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
     sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, model.device)
     out_dir = Path(out) if out else economics_dir(recipe)
     partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
-    key = {"head_sha256": _head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by}
+    key = {"head_sha256": _head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by, "drafting": "batched"}
     grid, skipped = _measure_grid(sweep, sorted(set(cfg.batch_sizes)), factories, ks_by, partial, key, cfg.memory_fraction)
     if not grid:
         raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
@@ -461,8 +477,25 @@ def report_lines(result: dict) -> list[str]:
             for b, c in d["cost"].items():
                 lines.append(f"| {b} | {c['k']} | {c['plain_usd_per_mtok']:.2f} | {c['spec_usd_per_mtok']:.2f} | {c['multiplier']:.2f} "
                              f"| {c['break_even_extra_usd_per_hour']:.2f} | {c['pays']} |")
-    lines += ["", "Rows draft one after the other; verification is one batched forward, so speculative figures at large "
-              "batch sizes are conservative.", "", "![throughput](throughput.png)", "", "![drafters](drafters.png)", ""]
+    lines += ["", "## Draft cost against load", "", "One batched drafter drafts every row (one draft forward per depth for "
+              "the batch); c(B) = draft seconds per round / K over plain seconds per round at that batch size, and "
+              "Theorem 3.8 refit with it.", ""] + cost_table(result)
+    lines += ["", "![throughput](throughput.png)", "", "![drafters](drafters.png)", ""]
+    return lines
+
+
+def cost_table(result: dict) -> list[str]:
+    """Per batch size and drafter: draft ms per round, c(B), K, predicted / measured walltime factor."""
+    names = list(result["drafters"])
+    lines = ["| batch | " + " | ".join(f"{n}: draft ms/round, c(B), K, predicted / measured" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for b in result["batch_sizes"]:
+        row = [str(b)]
+        for d in result["drafters"].values():
+            x = d["by_batch_size"][str(b)]
+            row.append(f"{x['draft_ms_per_round']:.1f}, {x['c']:.3f}, {x['k']}, "
+                       f"{x['predicted_walltime_factor']:.2f}x / {x['measured_walltime_factor']:.2f}x")
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import TreeConfig, eager
+from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager
 from draftsmith.heads.tree import StaticLayout, Tree, tree_from_accuracies
 
 PRIOR_FIRST, PRIOR_DECAY = 0.6, 0.5  # accuracy prior for a tree built before any calibration
 
 
-class MedusaDrafter:
-    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step=eager):
-        self.head, self.tree_cfg = head, tree
+class MedusaDrafter(BatchOfOne):
+    """B rows: one forward of the heads over every row's last committed feature per round."""
+
+    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step=eager, batch_size: int = 1):
+        self.head, self.tree_cfg, self.batch_size = head, tree, batch_size
         self.depth = min(tree.depth, head.num_heads)
         self.device = next(head.parameters()).device
-        self.feature_H = None
+        self.feature_BH = None
         self.temperature, self.gen = 0.0, None
         self.set_choices(tree.choices or tree_from_accuracies(
             [[PRIOR_FIRST * PRIOR_DECAY ** (r + d) for r in range(tree.top_k)] for d in range(self.depth)], tree.num_nodes))
@@ -39,17 +41,25 @@ class MedusaDrafter:
         self.temperature, self.gen = temperature, gen
 
     def reset(self) -> None:
-        self.feature_H = None
+        self.feature_BH = None
 
-    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor) -> None:
-        self.feature_H = features_TK[-1]
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        if self.feature_BH is None:
+            self.feature_BH = features[0].new_zeros(self.batch_size, features[0].shape[-1])
+        for r, feats in zip(rows, features):
+            self.feature_BH[r] = feats[-1]
 
     @torch.no_grad()
-    def draft_tree(self, root: torch.Tensor) -> Tree:
+    def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
         D = self.layout.max_depth
-        logits_DV = self.head.head_logits(self.feature_H[None, None])[:D, 0, 0].float()
+        logits_DBV = self.head.head_logits(self.feature_BH[:, None])[:D, :, 0].float()
         if self.temperature <= 0:
-            return self.layout.tree(root, torch.topk(logits_DV, self.num_candidates, dim=-1).indices)
+            ranked_DBK = torch.topk(logits_DBV, self.num_candidates, dim=-1).indices
+            return [self.layout.tree(root, ranked_DBK[:, b]) for b, root in enumerate(roots_B)]
+        return [self._sampled_tree(root, logits_DBV[:, b]) for b, root in enumerate(roots_B)]
+
+    def _sampled_tree(self, root: torch.Tensor, logits_DV: torch.Tensor) -> Tree:
+        D = self.layout.max_depth
         probs_DV = torch.softmax(logits_DV / self.temperature, dim=-1)
         uniform = torch.rand(probs_DV.shape, generator=self.gen, device=probs_DV.device).clamp_(min=1e-20)
         keys = torch.log(probs_DV) - torch.log(-torch.log(uniform))  # Gumbel top-k = draws without replacement

@@ -8,8 +8,8 @@ from draftsmith.heads.drafting import TreeDrafter
 
 
 class MTPDrafter(TreeDrafter):
-    def __init__(self, head, max_len, tree, compile_step=None, **kwargs):
+    def __init__(self, head, max_len, tree, compile_step=None, batch_size: int = 1):
         if head.num_modules != 1:
             raise ValueError(f"this MTP head has {head.num_modules} modules; draftsmith's runtime drafts with one "
                              "(num_nextn_predict_layers: 1, as every published MTP model): train with head.num_layers=1")
-        super().__init__(head, max_len, tree, **({"compile_step": compile_step} if compile_step else {}))
+        super().__init__(head, max_len, tree, batch_size=batch_size, **({"compile_step": compile_step} if compile_step else {}))

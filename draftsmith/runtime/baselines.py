@@ -23,21 +23,11 @@ def chain_config(k: int) -> TreeConfig:
     return TreeConfig(depth=k, top_k=1, num_nodes=k + 1, choices=[[0] * d for d in range(1, k + 1)] or None)
 
 
-class NgramDrafter(BatchOfOne):
-    """Prompt lookup for B rows: each row's context on the host, looked up row by row (no model to batch)."""
+class _RowContexts(BatchOfOne):
+    """Each row's committed token ids on the host: the prompt's first token, then what extend carries."""
 
-    def __init__(self, k: int, max_ngram: int = 3, min_ngram: int = 1, batch_size: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"economics.ngram_min={min_ngram}, ngram_max={max_ngram}: expected 1 <= min <= max")
-        self.tree_cfg, self.max_ngram, self.min_ngram, self.batch_size = chain_config(k), max_ngram, min_ngram, batch_size
-        self.contexts: list[list[int]] = [[] for _ in range(batch_size)]
-
-    @property
-    def context(self) -> list[int]:
-        return self.contexts[0]
-
-    def reset(self) -> None:
-        self.contexts = [[] for _ in range(self.batch_size)]
+    def _clear(self) -> None:
+        self.contexts: list[list[int]] = [[] for _ in range(self.batch_size)]
 
     def begin_rows(self, rows: list[int], prompts: list[torch.Tensor]) -> None:
         for r, prompt in zip(rows, prompts):
@@ -46,6 +36,23 @@ class NgramDrafter(BatchOfOne):
     def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features=None) -> None:
         for r, t in zip(rows, tokens):
             self.contexts[r] += t.tolist()
+
+
+class NgramDrafter(_RowContexts):
+    """Prompt lookup for B rows: each row's context on the host, looked up row by row (no model to batch)."""
+
+    def __init__(self, k: int, max_ngram: int = 3, min_ngram: int = 1, batch_size: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"economics.ngram_min={min_ngram}, ngram_max={max_ngram}: expected 1 <= min <= max")
+        self.tree_cfg, self.max_ngram, self.min_ngram, self.batch_size = chain_config(k), max_ngram, min_ngram, batch_size
+        self._clear()
+
+    @property
+    def context(self) -> list[int]:
+        return self.contexts[0]
+
+    def reset(self) -> None:
+        self._clear()
 
     def lookup(self, row: int = 0) -> list[int]:
         """The continuation of the longest earlier match of the row's context suffix (ends with the root)."""
@@ -65,7 +72,7 @@ class NgramDrafter(BatchOfOne):
         return out
 
 
-class DraftModelDrafter(BatchOfOne):
+class DraftModelDrafter(_RowContexts):
     """A small causal LM drafting B rows in lockstep over a static cache of its own (runtime/batched.py's
     BatchRunner): one forward feeds every row what its cache lacks, then K-1 batched single-token steps."""
 
@@ -73,19 +80,11 @@ class DraftModelDrafter(BatchOfOne):
         from draftsmith.runtime.batched import BatchRunner
         self.tree_cfg, self.batch_size = chain_config(k), batch_size
         self.runner = BatchRunner(model, batch_size, max_len + k + 2, [])
-        self.contexts: list[list[int]] = [[] for _ in range(batch_size)]
+        self._clear()
 
     def reset(self) -> None:
         self.runner.reset()
-        self.contexts = [[] for _ in range(self.batch_size)]
-
-    def begin_rows(self, rows: list[int], prompts: list[torch.Tensor]) -> None:
-        for r, prompt in zip(rows, prompts):
-            self.contexts[r] = prompt[:1].tolist()
-
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features=None) -> None:
-        for r, t in zip(rows, tokens):
-            self.contexts[r] += t.tolist()
+        self._clear()
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:

@@ -83,10 +83,8 @@ def copy_target(src: Path, dst: Path) -> Path:
     return dst
 
 
-def two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples: int, seed: int) -> tuple[float, bool]:
-    """Speculative sampling's first two tokens against the target's exact joint distribution of them:
-    (total variation distance, whether every sampled pair has nonzero target probability)."""
-    from draftsmith.runtime.generate import speculative_generate
+def two_token_joint(model, prompt, cfg) -> dict:
+    """The target's exact joint distribution of its next two tokens under sampling settings `cfg`."""
     from draftsmith.runtime.verify import processed_probs
     with torch.no_grad():
         p1 = processed_probs(model(prompt[None]).logits[0, -1], cfg)
@@ -94,6 +92,14 @@ def two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples: 
         for a in torch.nonzero(p1).flatten().tolist():
             p2 = processed_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
             joint.update({(a, b): (p1[a] * p2[b]).item() for b in torch.nonzero(p2).flatten().tolist()})
+    return joint
+
+
+def two_token_total_variation(model, runner, drafter, prompt, cfg, num_samples: int, seed: int) -> tuple[float, bool]:
+    """Speculative sampling's first two tokens against the target's exact joint distribution of them:
+    (total variation distance, whether every sampled pair has nonzero target probability)."""
+    from draftsmith.runtime.generate import speculative_generate
+    joint = two_token_joint(model, prompt, cfg)
     gen, counts = torch.Generator().manual_seed(seed), {}
     for _ in range(num_samples):
         out = tuple(speculative_generate(runner, drafter, prompt, 2, cfg, set(), gen).tokens)

@@ -186,17 +186,13 @@ def test_batched_sampling_follows_the_target(tiny_pair, name):
     import torch
 
     from draftsmith.runtime.batched import BatchRunner, batched_generate
-    from draftsmith.runtime.verify import SamplingConfig, processed_probs
+    from conftest import two_token_joint
+    from draftsmith.runtime.verify import SamplingConfig
     target, small = tiny_pair
     ids, make = _batched_kinds(target, small)[name]
     cfg, B, num_samples = SamplingConfig(temperature=1.0, top_k=4), 4, 1600
     prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        p1 = processed_probs(target(prompt[None]).logits[0, -1], cfg)
-        joint = {}
-        for a in torch.nonzero(p1).flatten().tolist():
-            p2 = processed_probs(target(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], cfg)
-            joint.update({(a, b): (p1[a] * p2[b]).item() for b in torch.nonzero(p2).flatten().tolist()})
+    joint = two_token_joint(target, prompt, cfg)
     runner, drafter, gen, counts = BatchRunner(target, B, 64, list(ids)), make(B), torch.Generator().manual_seed(0), {}
     for _ in range(num_samples // B):
         for row in batched_generate(runner, [prompt] * B, 2, cfg, set(), drafter, gen).tokens:

@@ -10,7 +10,8 @@
    EAGLE-3): tau, speedup, trainable parameters, training tokens/s, bytes per token stored;
 6. Medusa-1, Medusa-2 and EAGLE-3 demos: tau, speedup, per-head accuracy, sampled and typical
    acceptance, Medusa-2's drift from the original target;
-7. economics across load (`draftsmith economics`); 8. regeneration in process vs through a server (bench_regen.py).
+7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
+(bench_drafting.py); 9. regeneration in process vs through a server (bench_regen.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import recipe as recipe_mod
+from draftsmith.bench_drafting import bench_drafting, render_drafting
 from draftsmith.bench_regen import bench_regen, render_regen
 from draftsmith.heads.hf_layout import drift_summary
 
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                "medusa": lambda: bench_medusa(args.overrides),
                "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS),
                "economics": lambda: bench_economics(recipe),
+               "drafting": lambda: bench_drafting(recipe),
                "regen": lambda: bench_regen(recipe)}
     for section in SECTIONS:
         if section in sections:
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "regen"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen"]
 
 
 def render(r: dict) -> str:
@@ -322,7 +325,7 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _render_economics(r) + render_regen(r) + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _render_economics(r) + render_drafting(r) + render_regen(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from draftsmith import recipe as recipe_mod
@@ -19,6 +20,8 @@ STAGES = {
     "export": "write the validated head in an engine's format (--to sglang|vllm|speculators)",
     "economics": "sweep batch sizes and K with batched speculative decoding, the head next to n-gram and draft-model "
                  "baselines: tokens/s, TPOT, TTFT, crossover, vLLM/SGLang schedule, $/1M tokens (--gpu-hour-usd)",
+    "plan": "per-device memory of every stage that runs the target, the smallest tp/pp/ep layout that fits, and the "
+            "expected target forwards, from the target's config alone (no weights)",
     "run": "every stage in order, skipping those whose manifest matches the recipe",
 }
 
@@ -44,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output directory (default: <run>/economics)")
             p.add_argument("--gpu-hour-usd", type=float, help="price of the serving hardware per hour (default: economics.gpu_hour_usd)")
             p.add_argument("--extra-usd-per-hour", type=float, help="extra $/h a drafter's hardware costs (default: economics.extra_usd_per_hour)")
+        if name == "plan":
+            p.add_argument("--gpus", type=int, required=True, help="devices in all")
+            p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one device in GB")
+            p.add_argument("--nodes", type=int, default=1)
+            p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one device (H100: 989)")
+            p.add_argument("--config", help="a config.json (or its directory) to read instead of target.model's")
         if name == "export":
             p.add_argument("--head", help="checkpoint directory (default: <run>/head)")
             p.add_argument("--to", dest="engine", help="engine format (eagle3: sglang, vllm, speculators)")
@@ -57,7 +66,8 @@ def _load(args) -> recipe_mod.Recipe:
     recipe = recipe_mod.load(args.recipe, args.overrides)
     capture_needs(recipe.head.kind)  # an unknown head.kind fails here, listing the valid kinds
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    (recipe.run_dir / "recipe.yaml").write_text(recipe_mod.dump(recipe))
+    if os.environ.get("RANK", "0") == "0":  # the other ranks of a launch resolved the same recipe
+        (recipe.run_dir / "recipe.yaml").write_text(recipe_mod.dump(recipe))
     return recipe
 
 

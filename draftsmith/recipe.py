@@ -42,12 +42,23 @@ class EmbeddedTargetConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How one replica of the target is laid out over devices (transformers' DistributedConfig):
+    tensor-, pipeline- and expert-parallel sizes. Data parallelism is what the world size leaves:
+    dp = world / (tp * pp). Override per launch: `target.parallel.tp=4`."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+
+@dataclass
 class TargetConfig:
     """The frozen target model: a local directory or a hub id (`embedded` builds the demo one)."""
     model: str = ""
     embedded: EmbeddedTargetConfig | None = None
     dtype: str = "auto"
     chat_template: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -259,6 +270,7 @@ class Recipe:
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections, so a stage is invalidated only by what it reads."""
         data = self.to_dict()
+        data["target"].pop("parallel")  # how the target is laid out never changes what a stage makes
         chosen = {name: data[name] for name in sections}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -391,6 +403,10 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
     if regen.concurrency < 1 or regen.max_retries < 0 or regen.timeout_s <= 0:
         raise RecipeError(f"{source}: data.regen.concurrency={regen.concurrency}, max_retries={regen.max_retries}, "
                           f"timeout_s={regen.timeout_s}: expected concurrency >= 1, retries >= 0, a positive timeout")
+    par = recipe.target.parallel
+    if min(par.tp, par.pp, par.ep) < 1 or par.ep not in (1, par.tp):
+        raise RecipeError(f"{source}: target.parallel tp={par.tp} pp={par.pp} ep={par.ep}: expected sizes >= 1 and "
+                          "ep either 1 or equal to tp (experts are split over the ranks of one tensor-parallel group)")
     econ = recipe.economics
     if econ.draft_model_embedded is not None and (recipe.target.embedded is None or not econ.draft_model):
         raise RecipeError(f"{source}: economics.draft_model_embedded needs target.embedded (it shares the embedded "

@@ -95,8 +95,24 @@ def stage_economics(recipe: Recipe, args=None):
                          extra_usd_per_hour=getattr(args, "extra_usd_per_hour", None), out=getattr(args, "out", None))
 
 
+def stage_plan(recipe: Recipe, args=None):
+    from transformers import AutoConfig
+    from draftsmith.data.prepare import data_dir
+    from draftsmith.targets.plan import make_plan, render_plan
+    source = getattr(args, "config", None) or recipe.target.model
+    try:
+        config = AutoConfig.from_pretrained(str(Path(source).parent) if str(source).endswith(".json") else source)
+    except OSError as exc:
+        raise ValueError(f"plan: cannot read the target's config from {source!r} ({exc}); pass --config PATH") from None
+    manifest = data_dir(recipe) / artifacts.MANIFEST
+    counts = artifacts.read_json(manifest) if manifest.exists() else {}
+    plan = make_plan(recipe, config, args.gpus, args.gpu_memory_gb, args.nodes, args.gpu_tflops,
+                     counts.get("num_tokens"), counts.get("num_train_conversations"))
+    return render_plan(plan)
+
+
 STAGE_FUNCS = {"target": stage_target, "data": stage_data, "capture": stage_capture, "train": stage_train,
-               "validate": stage_validate, "export": stage_export, "economics": stage_economics}
+               "validate": stage_validate, "export": stage_export, "economics": stage_economics, "plan": stage_plan}
 
 
 def is_current(stage: str, recipe: Recipe) -> bool:

@@ -221,49 +221,54 @@ def pad_batch(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.
 
 
 def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> dict:
-    """Capture this process's slice (rank::world) of the data; rank 0 merges the manifest.
+    """Capture this replica's slice of the data; rank 0 merges the manifest. With `target.parallel`
+    the target is sharded over the ranks of a replica (targets/parallel.py): they run each batch
+    together and the first of them writes; replicas split the batches (replica::dp).
     `needs`: what the recipe's head kind reads from the target (its registry spec's `features`)."""
-    from accelerate import PartialState
     from draftsmith.data.prepare import load_train
+    from draftsmith.targets import parallel
     from draftsmith.targets.loading import load_target
-    state = PartialState(cpu=not torch.cuda.is_available())  # gloo across CPU processes when there is no GPU
+    layout = parallel.layout_for(recipe, "capture")
+    parallel.init_process_group()  # gloo across CPU processes when there is no GPU
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     dataset, data_manifest = load_train(recipe)
-    model = load_target(recipe, state.device)
+    model = load_target(recipe, device, layout, "capture")
     cfg = model.config.get_text_config()
     spec = make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest, needs)
     extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute)
     if dry_run:
         return projected_bytes(dataset, spec, feature_ratio(extractor, dataset, spec))
     store = capture_dir(recipe)
-    if state.is_main_process:
+    if layout.rank == 0:
         store.mkdir(parents=True, exist_ok=True)
         _reset_if_other_spec(store, spec)
         remove_orphans(store, read_progress(store))
-    state.wait_for_everyone()
+    parallel.barrier()
     entries = read_progress(store)
     done = {i for e in entries for i in e["samples"]}
     # the batches are planned once from the data and the recipe (never from what is done, nor from the
     # number of processes), so a resumed capture computes every sample in the very same padded batch
     # and writes exactly the bytes of an uninterrupted one
     plan = plan_batches([len(ids) for ids in dataset["input_ids"]], recipe.capture.batch_tokens)
-    mine = [b for j, b in enumerate(plan) if j % state.num_processes == state.process_index and not done.issuperset(b)]
-    writer = ShardWriter(store, state.process_index, int(recipe.capture.shard_size_mb * 2**20),
+    mine = [b for j, b in enumerate(plan) if j % layout.dp == layout.replica and not done.issuperset(b)]
+    writer = ShardWriter(store, layout.replica, int(recipe.capture.shard_size_mb * 2**20),
                          first_index=1 + max((int(e["file"][11:16]) for e in entries
-                                             if e["file"].startswith(f"shard-r{state.process_index:03d}")), default=-1),
-                         compression=spec.compression)
+                                             if e["file"].startswith(f"shard-r{layout.replica:03d}")), default=-1),
+                         compression=spec.compression) if layout.is_writer else None
     total = sum(len(dataset[i]["input_ids"]) for batch in mine for i in batch)
-    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=not state.is_main_process)
+    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=layout.rank != 0)
     for batch in mine:
         records, num_tokens = batch_records(extractor, dataset[batch], spec.dtype)
         for index, record in zip(batch, records):
-            if index not in done:  # a batch cut by a kill: its finished samples are already in a shard
+            if writer is not None and index not in done:  # a batch cut by a kill: its finished samples are stored
                 writer.add(index, record)
         bar.update(num_tokens)
-    writer.flush()
+    if writer is not None:
+        writer.flush()
     bar.close()
-    state.wait_for_everyone()
-    manifest = finalize(recipe, store, spec, len(dataset)) if state.is_main_process else {}
-    state.wait_for_everyone()
+    parallel.barrier()
+    manifest = finalize(recipe, store, spec, len(dataset)) if layout.rank == 0 else {}
+    parallel.barrier()
     return manifest
 
 

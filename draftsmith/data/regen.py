@@ -9,6 +9,7 @@ regenerated + reused + skipped + failed always equals the input count, and every
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -84,10 +85,17 @@ def _regenerate_batch(model, tokenizer, batch: list[dict], cfg, system_prompt) -
 
 
 def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict) -> None:
-    from draftsmith.targets.loading import load_target
+    """Batched `generate` on the target; with `target.parallel` every rank of the one replica runs the
+    same batches on its shard (the logits are replicated) and only rank 0 writes."""
+    from draftsmith.targets import parallel
+    from draftsmith.targets.loading import load_target, pick_device
     cfg = recipe.data.regen
-    model = load_target(recipe)
-    for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch", mininterval=2.0):
+    layout = parallel.layout_for(recipe, "regen")
+    parallel.one_replica(layout, "in-process regeneration")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}") if torch.cuda.is_available() else pick_device()
+    model = load_target(recipe, device, layout, "regen")
+    for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch", mininterval=2.0,
+                      disable=layout.rank != 0):
         batch = todo[start:start + cfg.batch_size]
         try:
             results, reasons = _regenerate_batch(model, tokenizer, batch, cfg, recipe.data.system_prompt)
@@ -106,9 +114,17 @@ def _failures_file(out_path: Path) -> Path:
 def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> tuple[list[dict], dict]:
     """Return (regenerated conversations, counts). Already-finished ids are read back from out_path;
     failed ones keep their original answers, are counted and listed, and are retried on the next run."""
+    from draftsmith.targets import parallel
     cfg = recipe.data.regen
+    if not cfg.server and parallel.world_and_rank()[0] > 1:
+        parallel.init_process_group()
+        parallel.barrier()  # every rank reads what is done before rank 0 appends anything
     done = _load_done(out_path)
     todo = [c for c in items if "messages" in c and c["id"] not in done]
+    if parallel.world_and_rank()[1] != 0:  # a sharded target's other ranks: the same forwards, nothing written
+        if todo and not cfg.server:
+            _in_process(recipe, tokenizer, todo, lambda record: None, {"finish_reasons": Counter(), "failures": []})
+        return items, {}
     counts = {"input": len(items), "regenerated": 0, "reused": 0, "skipped": sum(1 for c in items if "messages" not in c),
               "failed": 0, "finish_reasons": Counter(), "failures": [], "via": cfg.server or "in-process"}
     started = time.perf_counter()

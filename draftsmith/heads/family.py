@@ -67,7 +67,7 @@ def init_fresh(layer: nn.Module, config: PretrainedConfig) -> nn.Module:
         for param in module.parameters(recurse=False):
             param.normal_(0.0, std) if param.dim() >= 2 else param.zero_()
     for name, buffer in layer.named_buffers():
-        if buffer.is_floating_point() and not torch.isfinite(buffer).all():
+        if buffer.is_floating_point() and not buffer.is_meta and not torch.isfinite(buffer).all():
             raise ValueError(f"{type(layer).__name__}.{name}: non-finite buffer in a fresh draft layer")
     return layer
 

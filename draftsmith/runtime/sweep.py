@@ -35,6 +35,7 @@ from draftsmith.runtime.baselines import (
 from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
+from draftsmith.targets.parallel import world_and_rank
 
 
 def economics_dir(recipe: Recipe) -> Path:
@@ -308,8 +309,9 @@ def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, 
             continue  # measured before a kill, with these weights and settings
         bar.set_postfix(batch=size)
         grid[size] = sweep.run_batch(size, factories, ks_by)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        artifacts.write_json(partial, {"key": key, "grid": grid, "row_accepts": sweep.row_accepts})
+        if world_and_rank()[1] == 0:  # the ranks of a sharded target ran the same batches: one writes
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            artifacts.write_json(partial, {"key": key, "grid": grid, "row_accepts": sweep.row_accepts})
     return {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}, skipped
 
 
@@ -333,7 +335,7 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
     from draftsmith.runtime.validate import _head_sha, eos_ids, load_target_and_head, validation_prompts
     cfg = recipe.economics
     usd, extra = _prices(cfg, gpu_hour_usd, extra_usd_per_hour)
-    model, tokenizer, draft_head, _, head_path = load_target_and_head(recipe, head)
+    model, tokenizer, draft_head, _, head_path = load_target_and_head(recipe, head, "economics")
     if draft_head.config.get("draftsmith", {}).get("joint"):  # served on the fine-tuned target
         from draftsmith.targets.lora import merge_adapter
         model = merge_adapter(model, head_path / "lora")
@@ -367,8 +369,9 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
         if name == draft_head.kind:
             summary["sglang"] = sglang_settings(summary["schedule"])
         result["drafters"][name] = summary
-    write_economics_report(out_dir, result)
-    partial.unlink(missing_ok=True)
+    if world_and_rank()[1] == 0:
+        write_economics_report(out_dir, result)
+        partial.unlink(missing_ok=True)
     head_summary = result["drafters"][draft_head.kind]
     return {"report": str(out_dir / "economics.md"), "schedule": head_summary["schedule"],
             "crossover_batch_size": head_summary["crossover_batch_size"], "best_k_at_batch_1": head_summary["low_batch"]["k"]}
@@ -391,7 +394,7 @@ def _plots(out_dir: Path, result: dict) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "throughput.png", dpi=100)
     plt.close(fig)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(20, 4))
     top = 1.0
     for name, d in result["drafters"].items():
         points = d["predicted_vs_measured"]
@@ -400,6 +403,7 @@ def _plots(out_dir: Path, result: dict) -> None:
         best = [d["cells"][str(b)][str(d["best_k"][str(b)])]["tokens_per_s"] if d["best_k"][str(b)] else result["plain"][str(b)]["tokens_per_s"]
                 for b in sizes]
         ax2.plot(sizes, [s / result["plain"][str(b)]["tokens_per_s"] for s, b in zip(best, sizes)], marker="o", label=name)
+        ax4.plot(sizes, [d["by_batch_size"][str(b)]["c"] for b in sizes], marker="o", label=name)
     ax1.plot([0, top], [0, top], "k:", label="predicted = measured")
     ax1.set(xlabel="Theorem 3.8 prediction tau/(K c + 1)", ylabel="measured speedup", title=f"batch size {sizes[0]}, every K")
     ax1.legend(fontsize=7)
@@ -415,6 +419,9 @@ def _plots(out_dir: Path, result: dict) -> None:
     ax3.set_xticks([j + 0.4 - width / 2 for j in range(len(domains))], domains, fontsize=7)
     ax3.set(ylabel="i.i.d. alpha", ylim=(0, 1), title="acceptance per domain (largest K)")
     ax3.legend(fontsize=7)
+    ax4.set(xscale="log", yscale="log", xlabel="batch size", ylabel="c(B) = draft step / plain decode step",
+            title="draft cost against load (batched drafting)")
+    ax4.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "drafters.png", dpi=100)
     plt.close(fig)

@@ -8,6 +8,7 @@ ratio c and the expected walltime factor tau / (gamma * c + 1)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -168,16 +169,25 @@ def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) ->
     return per_draft_step / ((time.perf_counter() - start) / repeats)
 
 
-def load_target_and_head(recipe: Recipe, head: str | None):
+def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validate"):
     """(target, tokenizer, head on the target's device and dtype, head metadata, head path) on
     `validate.device`; the head must have been trained for this target."""
+    from draftsmith.targets import parallel
     from draftsmith.targets.loading import load_target, load_tokenizer, pick_device
-    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    layout = parallel.layout_for(recipe, stage)
+    parallel.one_replica(layout, stage)
+    if layout.sharded and torch.cuda.is_available():
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+    else:
+        device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
     torch.manual_seed(recipe.seed)
-    model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
+    model, tokenizer = load_target(recipe, device, layout, stage), load_tokenizer(recipe)
     head_path = Path(head) if head else recipe.run_dir / "head"
-    draft_head, meta = load_head(head_path, model.config, model.get_input_embeddings().weight,
-                                 model.get_output_embeddings().weight)
+    draft_head, meta = load_head(head_path, model.config, parallel.full(model.get_input_embeddings().weight),
+                                 parallel.full(model.get_output_embeddings().weight))
+    if layout.sharded and draft_head.config.get("draftsmith", {}).get("joint"):
+        raise ValueError(f"target.parallel tp={layout.tp}: {head_path} was trained jointly with LoRA adapters on the "
+                         "target, which this release merges on a whole target only; validate it at tp=1")
     _check_target(meta, model, recipe)
     return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
 
@@ -187,6 +197,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
         raise ValueError("validate needs --recipe (for the held-out prompts and decoding settings)")
     if target:
         recipe.target.model = target
+    from draftsmith.targets import parallel
     cfg = recipe.validate
     model, tokenizer, draft_head, meta, head_path = load_target_and_head(recipe, head)
     device = model.device
@@ -221,7 +232,8 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     result["passed"] = bool(result["exact_match"] and not result["non_finite_tensors"]
                             and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
     out_dir = Path(out) if out else validate_dir(recipe)
-    write_report(out_dir, result)
+    if parallel.world_and_rank()[1] == 0:  # every rank of a sharded target ran the same decoding; one writes
+        write_report(out_dir, result)
     return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
         "report": str(out_dir / "report.md")}
 

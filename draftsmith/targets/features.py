@@ -53,7 +53,7 @@ class FeatureExtractor:
         self.model, self.layer_ids = model, layer_ids
         self.decoder = model.get_decoder()
         self._captured: dict[int, torch.Tensor] = {}
-        self.handles = []
+        self.handles = [self.decoder.register_forward_hook(self._keep_final)]
         for k in layer_ids:
             module = self.decoder.get_input_embeddings() if k == 0 else self.decoder.layers[k - 1]
             self.handles.append(module.register_forward_hook(self._hook(k)))
@@ -66,22 +66,32 @@ class FeatureExtractor:
 
     def _hook(self, k: int):
         def store(_module, _inputs, output):
-            self._captured[k] = output[0] if isinstance(output, tuple) else output
+            hidden = output[0] if isinstance(output, tuple) else output
+            # a tensor-parallel target keeps the residual stream replicated; were it sharded (a DTensor),
+            # the feature is gathered to the full tensor here, so every layout stores the same values
+            self._captured[k] = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
         return store
+
+    def _keep_final(self, _module, _inputs, output):
+        self._final = output.last_hidden_state
 
     @torch.no_grad()
     def __call__(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
+        """One forward of the whole model (the decoder's output read by a hook, the logits of the last
+        position only): a target whose replicas transformers wraps with FSDP2 (target.parallel with
+        data parallelism) runs only through its root module."""
         self._captured.clear()
+        self._final = None
         layers = self.decoder.layers
         kept = {i: layers[i] for i in self.skipped}
         try:
             for i in self.skipped:
                 layers[i] = Skip()
-            out = self.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+            self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1)
         finally:
             for i, layer in kept.items():
                 layers[i] = layer
-        return self.aux(), None if self.skipped else out.last_hidden_state
+        return self.aux(), None if self.skipped else self._final
 
     def aux(self) -> torch.Tensor | None:
         """The hooked layers' outputs of the last forward, concatenated low to high."""

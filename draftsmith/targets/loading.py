@@ -59,15 +59,28 @@ def load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def load_target(recipe: Recipe, device: torch.device | None = None):
-    """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention."""
-    from transformers import AutoModelForCausalLM
+def load_target(recipe: Recipe, device: torch.device | None = None, layout=None, stage: str = "validate"):
+    """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention. With a sharded `layout`
+    (targets/parallel.py) transformers shards it at load time over the launch's process group, each
+    rank reading only its shard; the layout is checked against the config and the device's memory
+    first, so a layout that cannot work fails before any weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from draftsmith.targets import parallel, plan
     check_model_path(recipe.target.model)
     device = device or pick_device()
-    model = AutoModelForCausalLM.from_pretrained(
-        recipe.target.model, dtype=resolve_dtype(recipe.target.dtype, device), attn_implementation="sdpa")
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    if layout is None or not layout.sharded:
+        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa")
+        model.requires_grad_(False)
+        return model.eval().to(device)
+    config = AutoConfig.from_pretrained(recipe.target.model)
+    parallel.check_config(layout, config)
+    plan.fits_or_refuse(recipe, config, layout, stage, plan.device_memory())
+    parallel.init_process_group()
+    model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa",
+                                                 distributed_config=layout.distributed_config())
     model.requires_grad_(False)
-    return model.eval().to(device)
+    return model.eval()
 
 
 def _empty_target(model_dir: str):

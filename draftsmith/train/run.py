@@ -16,10 +16,11 @@ from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_
 
 def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int], accelerator):
     """(feature source, input embedding, lm_head, completer or None) for offline or online mode."""
-    if recipe.capture.mode == "online":
-        model = load_target(recipe, accelerator.device)
-        return (B.OnlineSource(model, layer_ids, dataset), model.get_input_embeddings().weight.detach(),
-                model.get_output_embeddings().weight.detach(), None)
+    if recipe.capture.mode == "online":  # a sharded target (target.parallel) runs on every rank of its replica
+        from draftsmith.targets.parallel import full, layout_for
+        model = load_target(recipe, accelerator.device, layout_for(recipe, "train"), "train")
+        return (B.OnlineSource(model, layer_ids, dataset), full(model.get_input_embeddings().weight.detach()),
+                full(model.get_output_embeddings().weight.detach()), None)
     from draftsmith.data.store import CaptureStore
     expected = {"target_id": recipe.target.model, "target_fingerprint": target_fingerprint(recipe.target.model),
                 "layer_ids": layer_ids, "head_kind": recipe.head.kind, "data_hash": data_manifest["inputs_hash"]}
@@ -75,6 +76,13 @@ def _planned_steps(recipe: Recipe, num_samples: int, world: int) -> int:
 
 def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     from transformers import AutoConfig
+    from draftsmith.targets.parallel import layout_for
+    layout = layout_for(recipe, "train")
+    if layout.sharded and recipe.head.lora is not None:
+        raise ValueError(f"target.parallel tp={layout.tp} ep={layout.ep}: joint training (head.lora) attaches LoRA "
+                         "adapters to a whole target per rank, or one sharded by FSDP2, not to tensor-parallel "
+                         "shards in this release; shard a joint run's target with FSDP2 instead: "
+                         "target.parallel.tp=1 and accelerate launch --config_file recipes/launch/fsdp.yaml")
     accelerator = accelerator or make_accelerator(recipe)
     dataset, data_manifest = load_train(recipe)
     target_config = AutoConfig.from_pretrained(recipe.target.model)

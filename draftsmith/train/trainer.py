@@ -82,7 +82,12 @@ class Trainer:
         self.source, self.eval_source, self.completer = source, eval_source, completer
         self.d2t, self.t2d = d2t.to(accelerator.device), t2d.to(accelerator.device)
         self.lm_head = lm_head_VH.to(accelerator.device)
-        world, rank = accelerator.num_processes, accelerator.process_index
+        # data parallelism runs across target replicas: the ranks of one sharded target replica
+        # (target.parallel) read the same batch; with a whole target per rank, replica = rank
+        from draftsmith.targets.parallel import layout_for
+        layout = layout_for(recipe, "train")
+        self.data_world, self.data_rank = layout.dp, layout.replica
+        world, rank = self.data_world, self.data_rank
         self.batches_per_epoch = len(B.epoch_order(len(source), self.cfg.seed, 0, rank, world, self.cfg.batch_size))
         if self.batches_per_epoch == 0:
             raise ValueError(f"train.batch_size={self.cfg.batch_size} x {world} processes exceeds the {len(source)} training samples")
@@ -104,7 +109,7 @@ class Trainer:
 
     def micro_batches(self):
         """Yield (epoch, indices) from micro_step on: a resumed run starts mid-epoch exactly."""
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        world, rank = self.data_world, self.data_rank
         epoch, offset = divmod(self.micro_step, self.batches_per_epoch)
         while True:
             order = B.epoch_order(len(self.source), self.cfg.seed, epoch, rank, world, self.cfg.batch_size)

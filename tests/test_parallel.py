@@ -1,0 +1,371 @@
+"""Targets sharded over several processes (target.parallel: transformers' DistributedConfig on a torch
+DeviceMesh, gloo on CPU) against one process on the micro target, and `draftsmith plan` on the real
+recipes' configs (no weights). The multi-process tests carry the `parallel` marker (make test runs
+them; `make test-fast` leaves them out with the other slow ones)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, micro_recipe, target_config
+
+from draftsmith import artifacts
+from draftsmith import recipe as recipe_mod
+from draftsmith.data import capture
+from draftsmith.data.prepare import load_train, run_data
+from draftsmith.data.store import CaptureStore
+from draftsmith.heads.registry import capture_needs
+from draftsmith.targets import parallel, plan
+from draftsmith.targets.parallel import Layout
+
+MICRO = ROOT / "recipes" / "demo" / "micro-eagle3.yaml"
+SMALL = ("data.max_conversations=40", "capture.dtype=fp32", "target.dtype=fp32")
+multiprocess = [pytest.mark.slow, pytest.mark.parallel]
+
+
+def _torchrun(num_processes: int, *args: str, timeout: int = 600, popen: bool = False):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_processes}", *args]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _cli(stage: str, recipe, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
+    return ["-m", "draftsmith.cli", stage, *flags, "--recipe", str(MICRO), f"out_dir={recipe.out_dir}",
+            f"target.model={recipe.target.model}", *SMALL, *extra]
+
+
+def _with_data_of(source, out_dir: Path, micro_target, *overrides: str):
+    """A recipe in `out_dir` whose data stage is a copy of `source`'s (same inputs, same hash)."""
+    recipe = micro_recipe(out_dir, micro_target, *SMALL, *overrides)
+    shutil.copytree(source.run_dir / "data", recipe.run_dir / "data")
+    return recipe
+
+
+def _assert_same_store(ours: CaptureStore, reference: CaptureStore, rtol: float = 1e-5) -> None:
+    assert len(ours) == len(reference)
+    for i in range(len(reference)):
+        mine, theirs = ours[i], reference[i]
+        assert set(mine) == set(theirs)
+        for key, value in theirs.items():
+            if value is None:
+                assert mine[key] is None
+            elif value.is_floating_point():
+                err = (mine[key].float() - value.float()).norm() / value.float().norm().clamp_min(1e-12)
+                assert err < rtol, (i, key, float(err))
+            else:
+                assert torch.equal(mine[key], value), (i, key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, micro_target):
+    """Data (40 conversations) and its capture in one process, fp32: what every sharded run must equal."""
+    recipe = micro_recipe(tmp_path_factory.mktemp("parallel") / "one", micro_target, *SMALL)
+    run_data(recipe)
+    capture.run_capture(recipe, capture_needs(recipe.head.kind))
+    return recipe
+
+
+# ------------------------------------------------------------------ layouts (one process)
+
+def test_layout_of_replicas_and_writers():
+    ranks = [Layout(tp=2, world=8, rank=r) for r in range(8)]
+    assert [r.dp for r in ranks] == [4] * 8
+    assert [r.replica for r in ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r.is_writer for r in ranks] == [True, False] * 4
+    piped = [Layout(tp=2, pp=2, world=4, rank=r) for r in range(4)]
+    assert [r.is_writer for r in piped] == [True, False, False, False] and piped[0].dp == 1
+    assert not Layout().sharded and Layout().distributed_config() is None
+    config = Layout(tp=2, ep=2, world=4).distributed_config()
+    assert (config.tp_size, config.ep_size, config.dp_replicate_size) == (2, 2, 2)
+
+
+def _recipe(*overrides: str):
+    return recipe_mod.load(MICRO, list(overrides))
+
+
+def test_layout_refused_at_start(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"3 process\(es\) launched, not a multiple of tp \* pp = 2"):
+        parallel.layout_for(_recipe("target.parallel.tp=2"), "capture")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="pp serves regeneration"):
+        parallel.layout_for(_recipe("target.parallel.pp=2"), "capture")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="cannot combine pipeline stages with data-parallel replicas"):
+        parallel.layout_for(_recipe("target.parallel.pp=2"), "regen")
+    with pytest.raises(ValueError, match="runs one replica"):
+        parallel.one_replica(parallel.layout_for(_recipe("target.parallel.tp=2"), "validate"), "validate")
+    with pytest.raises(recipe_mod.RecipeError, match="ep either 1 or equal to tp"):
+        _recipe("target.parallel.tp=4", "target.parallel.ep=2")
+
+
+def test_layout_checked_against_the_config():
+    llama = target_config("meta-llama/Llama-3.3-70B-Instruct")
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the target's num_attention_heads=64; choose a tp that does \(1, 2, 4, 8"):
+        parallel.check_config(Layout(tp=3, world=3), llama)
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        parallel.check_config(Layout(tp=2, ep=2, world=2), llama)
+    with pytest.raises(ValueError, match="does not divide the target's 128 experts"):
+        parallel.check_config(Layout(tp=1, ep=3, world=3), target_config("Qwen/Qwen3-30B-A3B"))
+    parallel.check_config(Layout(tp=8, world=8), llama)
+    parallel.check_config(Layout(tp=4, ep=4, world=4), target_config("Qwen/Qwen3-30B-A3B"))
+
+
+def test_joint_training_on_a_tensor_parallel_target_is_refused_before_loading(monkeypatch):
+    from draftsmith.train.run import build_trainer
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    recipe = recipe_mod.load(ROOT / "recipes/demo/stdlib-code-medusa2.yaml", ["target.parallel.tp=2", "target.model=/nonexistent"])
+    with pytest.raises(ValueError, match=r"head.lora.*FSDP2.*recipes/launch/fsdp.yaml"):
+        build_trainer(recipe)
+
+
+# ------------------------------------------------------------------ plan (config only)
+
+def _plan(recipe_path: str, model: str, gpus: int, memory_gb: float, nodes: int = 1) -> dict:
+    return plan.make_plan(recipe_mod.load(ROOT / recipe_path), target_config(model), gpus, memory_gb, nodes)
+
+
+def test_plan_llama_70b_on_one_8_gpu_node():
+    out = _plan("recipes/llama-3.3-70b-instruct/eagle3.yaml", "meta-llama/Llama-3.3-70B-Instruct", 8, 80)
+    assert 69e9 < out["params_b"] * 1e9 < 72e9
+    stages = out["stages"]
+    assert all(row["fits"] for row in stages.values())
+    cap = stages["capture"]
+    assert cap["tp"] * cap["dp"] == 8 and cap["tp"] >= 2          # 131 GiB of bf16 weights: never on one device
+    assert cap["per_device_gib"]["weights"] == pytest.approx(out["weights_gib"] / cap["tp"], rel=1e-2)
+    assert cap["store_bytes_per_token"] == 2 * 8192 * 2           # compact store: mid + high features, bf16
+    val = stages["validate"]
+    assert val["tp"] in (4, 8) and val["dp"] == 1
+    assert stages["train"]["tp"] == 1                              # offline: embedding, lm_head, 5 layers
+    assert all(row["per_device_gib"]["total"] <= 80e9 * plan.HEADROOM / 2**30 for row in stages.values())
+
+
+def test_plan_deepseek_v3_and_a_mid_size_moe():
+    ds = _plan("recipes/deepseek-v3/mtp.yaml", "deepseek-ai/DeepSeek-V3", 16, 141, nodes=2)
+    assert 660 < ds["params_b"] < 690 and 30 < ds["active_params_b"] < 45
+    cap = ds["stages"]["capture"]
+    assert cap["fits"] and cap["tp"] == 16 and cap["ep"] == 16 and cap["crosses_nodes"]
+    small = _plan("recipes/deepseek-v3/mtp.yaml", "deepseek-ai/DeepSeek-V3", 16, 80, nodes=2)
+    assert not small["stages"]["capture"]["fits"]                 # 1.25 TiB of bf16 weights on 1.28 TB
+    moe = _plan("recipes/qwen3-30b-a3b/eagle3.yaml", "Qwen/Qwen3-30B-A3B", 8, 40)
+    assert moe["stages"]["capture"]["ep"] == moe["stages"]["capture"]["tp"] > 1
+    assert 29 < moe["params_b"] < 32 and 2.5 < moe["active_params_b"] < 4
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.3-70B-Instruct", "deepseek-ai/DeepSeek-V3"])
+def test_plan_weights_agree_with_accelerate(model):
+    from accelerate.utils import calculate_maximum_sizes
+    config = target_config(model)
+    facts = plan.target_facts(config)
+    total_bytes, _ = calculate_maximum_sizes(plan._empty_model(config))  # fp32 on the meta device
+    assert facts.params * 4 == pytest.approx(total_bytes, rel=0.2)
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_any_weight(monkeypatch, micro_target):
+    from draftsmith.targets import loading
+    recipe = micro_recipe(Path("/nonexistent"), micro_target, "target.parallel.tp=2")
+    monkeypatch.setattr(plan, "device_memory", lambda: 2e5)   # 0.2 MB devices
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were read before the memory check"))
+    with pytest.raises(ValueError, match=r"validate at tp 2 x pp 1 \(ep 1\), dp 1: 2 process\(es\): needs .* GiB per device"):
+        loading.load_target(recipe, torch.device("cpu"), Layout(tp=2, world=2), "validate")
+
+
+def test_plan_command(tmp_path, capsys):
+    from draftsmith import cli
+    config_dir = tmp_path / "llama-70b"
+    config_dir.mkdir()
+    target_config("meta-llama/Llama-3.3-70B-Instruct").save_pretrained(config_dir)
+    assert cli.main(["plan", "--recipe", str(ROOT / "recipes/llama-3.3-70b-instruct/eagle3.yaml"), "--gpus", "16",
+                     "--gpu-memory-gb", "80", "--nodes", "2", "--config", str(config_dir), f"out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "70.6B parameters" in out and "16 x 80 GB on 2 node(s)" in out
+    for stage in ("regen", "capture", "train", "validate"):
+        assert f"  {stage}" in out
+    assert cli.main(["plan", "--recipe", str(ROOT / "recipes/llama-3.3-70b-instruct/eagle3.yaml"), "--gpus", "1",
+                     "--gpu-memory-gb", "80", "--config", str(tmp_path / "missing"), f"out_dir={tmp_path}"]) == 2
+    assert "cannot read the target's config" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ sharded targets (several processes)
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_capture_equals_one_process_and_trains_the_same(reference, tmp_path, micro_target):
+    from draftsmith.train.run import run_train
+    sharded = _with_data_of(reference, tmp_path / "tp2", micro_target)
+    _torchrun(2, *_cli("capture", sharded, "target.parallel.tp=2"))
+    store = capture.capture_dir(sharded)
+    manifest = artifacts.read_manifest(store, "capture")
+    assert {s["file"][:10] for s in manifest["shards"]} == {"shard-r000"}    # one writer for the one replica
+    assert capture.verify(store) == []
+    _assert_same_store(CaptureStore(store), CaptureStore(capture.capture_dir(reference)))
+    losses = []
+    for recipe in (reference, sharded):   # the one-process trainer reads the sharded run's store
+        step = micro_recipe(recipe.out_dir, micro_target, *SMALL, "train.max_steps=1", "train.eval_every=1000")
+        run_train(step)
+        losses.append(json.loads((step.run_dir / "train" / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_dp2_capture_stores_every_sample_once(reference, tmp_path, micro_target):
+    sharded = _with_data_of(reference, tmp_path / "tp2dp2", micro_target)
+    _torchrun(4, *_cli("capture", sharded, "target.parallel.tp=2"), timeout=900)
+    store = capture.capture_dir(sharded)
+    manifest = artifacts.read_manifest(store, "capture")
+    assert {s["file"][:10] for s in manifest["shards"]} == {"shard-r000", "shard-r001"}  # replicas 0 and 1
+    samples = [i for e in capture.read_progress(store) for i in e["samples"]]
+    assert sorted(samples) == list(range(manifest["num_samples"])) == list(range(len(load_train(sharded)[0])))
+    _assert_same_store(CaptureStore(store), CaptureStore(capture.capture_dir(reference)))
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    import psutil
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "draftsmith.cli" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_kill_9_of_one_rank_during_tp2_capture_resumes(reference, tmp_path, micro_target):
+    small_shards = ("capture.shard_size_mb=0.02", "capture.batch_tokens=256")
+    sharded = _with_data_of(reference, tmp_path / "killed", micro_target, *small_shards)
+    store = capture.capture_dir(sharded)
+    launcher = _torchrun(2, *_cli("capture", sharded, "target.parallel.tp=2", *small_shards), popen=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(capture.read_progress(store)) < 3 and launcher.poll() is None:
+        time.sleep(0.05)
+    pid = _rank_pid(launcher, 1)
+    assert pid is not None and launcher.poll() is None, "the capture ended before it could be killed"
+    os.kill(pid, signal.SIGKILL)
+    assert launcher.wait(timeout=300) != 0
+    partial = [i for e in capture.read_progress(store) for i in e["samples"]]
+    assert 0 < len(partial) < len(load_train(sharded)[0]) and not (store / "manifest.json").exists()
+    _torchrun(2, *_cli("capture", sharded, "target.parallel.tp=2", *small_shards))
+    samples = [i for e in capture.read_progress(store) for i in e["samples"]]
+    assert sorted(samples) == list(range(len(load_train(sharded)[0])))        # nothing lost, nothing twice
+    assert capture.verify(store) == []
+    _assert_same_store(CaptureStore(store), CaptureStore(capture.capture_dir(reference)))
+
+
+@pytest.fixture(scope="module")
+def chatty_target(tmp_path_factory, micro_target) -> Path:
+    """The micro target with an end-of-sequence id it never emits: every answer runs its full length."""
+    from transformers import GenerationConfig
+    path = shutil.copytree(micro_target, tmp_path_factory.mktemp("chatty") / "target")
+    config = GenerationConfig.from_pretrained(path)
+    config.eos_token_id = 511
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_regeneration_gives_the_same_turns(tmp_path, chatty_target):
+    regen = ("data.max_conversations=8", "data.regen.max_new_tokens=16", "data.regen.batch_size=4")
+    one = micro_recipe(tmp_path / "one", chatty_target, *SMALL, *regen)
+    run_data(one, regen=True)
+    sharded = micro_recipe(tmp_path / "tp2", chatty_target, *SMALL, *regen)
+    _torchrun(2, *_cli("data", sharded, "target.parallel.tp=2", *regen, flags=("--regen",)))
+    files = [sorted((r.run_dir / "data").glob("regen-*.jsonl")) for r in (one, sharded)]
+    assert len(files[0]) == len(files[1]) == 1
+    rows = [sorted((json.loads(line) for line in f[0].read_text().splitlines()), key=lambda x: x["id"]) for f in files]
+    assert len(rows[1]) == 8 and rows[0] == rows[1]                          # every turn, token for token
+    assert manifests_finish(one) == {"length": 8}                             # 16 new tokens in every answer
+    manifests = [artifacts.read_json(r.run_dir / "data" / artifacts.MANIFEST) for r in (one, sharded)]
+    assert manifests[0]["num_tokens"] == manifests[1]["num_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_online_training_first_step_equals_one_process(reference, tmp_path, micro_target):
+    from draftsmith.train.run import run_train
+    online = ("capture.mode=online", "train.max_steps=1", "train.eval_every=1000")
+    one = _with_data_of(reference, tmp_path / "one", micro_target, *online)
+    run_train(one)
+    sharded = _with_data_of(reference, tmp_path / "tp2", micro_target, *online)
+    _torchrun(2, *_cli("train", sharded, "target.parallel.tp=2", *online))
+    first = [json.loads((r.run_dir / "train" / "metrics.jsonl").read_text().splitlines()[0]) for r in (one, sharded)]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    assert first[1]["tokens"] == first[0]["tokens"]                           # the replica's two ranks: one batch
+    assert artifacts.read_manifest(sharded.run_dir / "head", "train")["steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_runtime_decodes_like_one_process(micro_pipeline, tmp_path):
+    """Greedy plain and speculative decoding on a tp 2 target: the same tokens and accepted lengths as
+    one process; each rank holds half the KV cache and about half the weights, as the plan says."""
+    over = [f"out_dir={micro_pipeline.out_dir}", f"target.model={micro_pipeline.target.model}", "validate.max_new_tokens=32"]
+    worker = str(ROOT / "tests" / "parallel_worker.py")
+    subprocess.run([sys.executable, worker, str(tmp_path / "one.json"), str(MICRO), *over], check=True,
+                   capture_output=True, cwd=ROOT, timeout=600)
+    _torchrun(2, worker, str(tmp_path / "tp2.json"), str(MICRO), *over, "target.parallel.tp=2")
+    one, tp2 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp2"))
+    assert one["rows"] == tp2["rows"]
+    assert all(r["plain"] == r["spec"] and len(r["plain"]) == 32 for r in tp2["rows"])
+    assert sum(len(r["accept"]) for r in tp2["rows"]) < 3 * 32                 # drafts were accepted
+    facts = plan.target_facts(target_config_of(micro_pipeline))
+    b = 2 if "bf16" in micro_pipeline.target.dtype else 4
+    for rank in tp2["ranks"]:
+        assert rank["kv_bytes"] * 2 == one["ranks"][0]["kv_bytes"]
+        assert rank["kv_bytes"] == pytest.approx(plan.kv_cache_bytes(facts, rank["max_len"], Layout(tp=2, world=2), b), rel=0.2)
+        assert rank["weight_bytes"] == pytest.approx(plan.weight_bytes(facts, Layout(tp=2, world=2), b), rel=0.2)
+    assert one["validation"]["exact_match"] and tp2["validation"]["exact_match"]
+    assert tp2["validation"]["tau"] == one["validation"]["tau"]
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory, micro_target) -> Path:
+    """A tiny Qwen3-MoE (4 experts, 2 per token, random weights) with the micro target's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = tmp_path_factory.mktemp("moe") / "target"
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=4, num_experts_per_tok=2, vocab_size=512, tie_word_embeddings=False,
+                                  max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_ep2_capture_of_a_mixture_of_experts_equals_one_process(tmp_path, moe_target):
+    one = micro_recipe(tmp_path / "one", moe_target, *SMALL, "data.max_conversations=16")
+    run_data(one)
+    capture.run_capture(one, capture_needs(one.head.kind))
+    sharded = micro_recipe(tmp_path / "tp2", moe_target, *SMALL, "data.max_conversations=16")
+    shutil.copytree(one.run_dir / "data", sharded.run_dir / "data")
+    _torchrun(2, *_cli("capture", sharded, "target.parallel.tp=2", "target.parallel.ep=2", "data.max_conversations=16"))
+    _assert_same_store(CaptureStore(capture.capture_dir(sharded)), CaptureStore(capture.capture_dir(one)))
+
+
+def manifests_finish(recipe) -> dict:
+    return artifacts.read_json(recipe.run_dir / "data" / artifacts.MANIFEST)["regeneration"]["finish_reasons"]
+
+
+def target_config_of(recipe):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(recipe.target.model)

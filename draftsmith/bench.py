@@ -11,7 +11,8 @@
 6. Medusa-1, Medusa-2 and EAGLE-3 demos: tau, speedup, per-head accuracy, sampled and typical
    acceptance, Medusa-2's drift from the original target;
 7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
-(bench_drafting.py); 9. regeneration in process vs through a server (bench_regen.py).
+(bench_drafting.py); 9. regeneration in process vs through a server (bench_regen.py); 10. capture and decoding at
+tp 1 and tp 2 (bench_parallel.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from draftsmith import recipe as recipe_mod
 from draftsmith.bench_drafting import bench_drafting, render_drafting
+from draftsmith.bench_parallel import bench_parallel, render_parallel
 from draftsmith.bench_regen import bench_regen, render_regen
 from draftsmith.heads.hf_layout import drift_summary
 
@@ -266,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS),
                "economics": lambda: bench_economics(recipe),
                "drafting": lambda: bench_drafting(recipe),
-               "regen": lambda: bench_regen(recipe)}
+               "regen": lambda: bench_regen(recipe),
+               "parallel": lambda: bench_parallel(args.recipe, args.overrides)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel"]
 
 
 def render(r: dict) -> str:
@@ -325,7 +328,7 @@ def render(r: dict) -> str:
               f"| draft/target step cost c; tau/(gamma c + 1) | {rt['draft_to_target_cost_c']:.3f}; {rt['expected_walltime_factor']:.2f} | |",
               f"| greedy output identical to plain greedy | {rt['num_exact']}/{rt['num_prompts']} | all |",
               f"| acceptance per depth (conditional) | {', '.join(f'{a:.2f}' for a in rt['acceptance_per_depth'])} | |", ""]
-    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _render_economics(r) + render_drafting(r) + render_regen(r) + _shortfalls(r))
+    return "\n".join(lines + _render_heads(r) + _render_medusa(r) + _render_mtp(r) + _render_economics(r) + render_drafting(r) + render_regen(r) + render_parallel(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:
@@ -433,10 +436,26 @@ def _render_economics(r: dict) -> list[str]:
             f"{e['max_new_tokens']} new tokens per row, greedy, K = speculative tokens per row (one chain), "
             f"${e['gpu_hour_usd']}/h as the price in the cost columns (an illustration: this CPU has no GPU-hour price).", ""] + \
         drafters_table(e) + ["", "Output tokens/s at the best K per batch size (K; TPOT ms / TTFT ms), and $/1M output tokens:", ""] + \
-        throughput_table(e) + [
-            "", "Drafting runs row by row (each drafter instance is batch 1) while verification is one batched forward, so "
-            "on this 2-core CPU the draft cost grows with the batch and the crossover comes early; the schedule above is "
-            "what this machine measured, and `make gpu-check` runs the same sweep briefly on a GPU.", ""]
+        throughput_table(e) + [""] + _batched_against_row_by_row(r) + [
+            "Every drafter drafts the whole batch at once (one draft forward per depth for all rows) and verification is "
+            "one batched forward; on this 2-core CPU a forward's cost still grows with the rows it computes, so the "
+            "crossover is what this machine measured, and `make gpu-check` runs the same sweep briefly on a GPU.", ""]
+
+
+def _batched_against_row_by_row(r: dict) -> list[str]:
+    """The crossover and vLLM schedule of the batched sweep next to the row-by-row one it replaced (#22)."""
+    old, new = r.get("economics_row_by_row"), r["economics"]
+    if not old:
+        return []
+    lines = [f"Batched drafting against the row-by-row drafting of the sweep of {old['date']} (same head, prompts and "
+             "settings; each row of that sweep had a batch-1 drafter of its own):", "",
+             "| drafter | crossover batched / row by row | vLLM schedule batched | vLLM schedule row by row |", "|---|---|---|---|"]
+    for name, d in new["drafters"].items():
+        was = old["drafters"].get(name)
+        if was:
+            lines.append(f"| {name} | {d['crossover_batch_size'] or 'none'} / {was['crossover_batch_size'] or 'none'} | "
+                         f"`{json.dumps(d['schedule'])}` | `{json.dumps(was['schedule'])}` |")
+    return lines + [""]
 
 
 def _shortfalls(r: dict) -> list[str]:

@@ -98,7 +98,7 @@ def stage_economics(recipe: Recipe, args=None):
 def stage_plan(recipe: Recipe, args=None):
     from transformers import AutoConfig
     from draftsmith.data.prepare import data_dir
-    from draftsmith.targets.plan import make_plan, render_plan
+    from draftsmith.plan import make_plan, render_plan
     source = getattr(args, "config", None) or recipe.target.model
     try:
         config = AutoConfig.from_pretrained(str(Path(source).parent) if str(source).endswith(".json") else source)
@@ -151,6 +151,8 @@ def run_all(recipe: Recipe) -> str:
         if stage == "train":
             from draftsmith.train.trainer import set_aside_stale
             set_aside_stale(recipe)
+        from draftsmith.plan import check_before_loading
+        check_before_loading(stage, recipe)
         result = STAGE_FUNCS[stage](recipe)
         exported = result if stage == "export" else exported
         timings[stage] = round(time.perf_counter() - t0, 1)
@@ -189,4 +191,6 @@ def summary(recipe: Recipe, timings: dict, seconds: float, exported: dict | None
 def dispatch(stage: str, recipe: Recipe | None, args):
     if stage == "run":
         return run_all(recipe)
+    from draftsmith.plan import check_before_loading
+    check_before_loading(stage, recipe, args)  # a sharded target that cannot fit stops here, before its weights
     return STAGE_FUNCS[stage](recipe, args)

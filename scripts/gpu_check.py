@@ -4,6 +4,7 @@ training step, capture on the GPU, and timings. Prints one JSON summary; exits n
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,6 +76,55 @@ def check_sweep(device: str = "cuda", batch_sizes=(1, 8, 32), ks=(2, 4)) -> dict
     return out
 
 
+def _greedy_and_features(model, ids) -> dict:
+    """Greedy decoding of two prompts in the runtime and the capture features of one batch (the tp check's figures)."""
+    runner = TargetRunner(model, 256, ids, compile_mode=None)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32000, (n,), generator=gen).to("cuda") for n in (32, 48)]
+    tokens = [plain_generate(runner, p, 32, SamplingConfig(), set()).tokens for p in prompts]
+    aux, _ = FeatureExtractor(model, ids)(torch.stack([prompts[0], prompts[1][:32]]))
+    return {"tokens": tokens, "aux": aux.float().cpu()}
+
+
+def tp_worker(model_dir: str, out: str) -> None:
+    """Run under torchrun, one process per GPU: the saved fp32 target sharded with target.parallel's layout."""
+    import os
+    from transformers import AutoModelForCausalLM
+    from draftsmith.targets import parallel
+    parallel.init_process_group()
+    world, rank = parallel.world_and_rank()
+    layout = parallel.Layout(tp=world, world=world, rank=rank)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=layout.distributed_config()).eval()
+    result = _greedy_and_features(model, [2, 6, 9])
+    if rank == 0:
+        torch.save(result, out)
+    torch.distributed.barrier()
+    os._exit(0)
+
+
+def check_tensor_parallel() -> dict:
+    """With several GPUs: the target sharded tp = (GPUs, at most its 4 KV heads) ways by transformers
+    against the same target on one GPU: identical greedy tokens, features within fp32 rounding."""
+    import subprocess
+    import tempfile
+    tp = max(t for t in (1, 2, 4) if t <= torch.cuda.device_count())
+    if tp < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU: tensor parallelism needs two or more"}
+    model, _, ids = build(torch.float32)
+    work = Path(tempfile.mkdtemp(prefix="draftsmith-tp-"))
+    model.save_pretrained(work / "target")
+    reference = _greedy_and_features(model, ids)
+    del model
+    torch.cuda.empty_cache()
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
+                    "--tp-worker", str(work / "target"), str(work / "tp.pt")], check=True, timeout=1800)
+    sharded = torch.load(work / "tp.pt")
+    err = float((sharded["aux"] - reference["aux"]).norm() / reference["aux"].norm())
+    return {"tp": tp, "identical_tokens": sharded["tokens"] == reference["tokens"], "feature_rel_err": err,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -100,6 +150,9 @@ def main() -> int:
     out["economics_sweep"] = check_sweep()
     if "error" in out["economics_sweep"]:
         out["error"] = out["economics_sweep"]["error"]
+    out["tensor_parallel"] = check_tensor_parallel()
+    if out["tensor_parallel"].get("identical_tokens") is False or out["tensor_parallel"].get("feature_rel_err", 0) > 1e-4:
+        out["error"] = "the tensor-parallel target differs from the one-GPU target"
     model, head, ids = build(torch.float32)
     head.train()
     extractor = FeatureExtractor(model, ids)
@@ -122,4 +175,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--tp-worker"]:
+        tp_worker(*sys.argv[2:4])
     sys.exit(main())

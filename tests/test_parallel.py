@@ -24,7 +24,8 @@ from draftsmith.data import capture
 from draftsmith.data.prepare import load_train, run_data
 from draftsmith.data.store import CaptureStore
 from draftsmith.heads.registry import capture_needs
-from draftsmith.targets import parallel, plan
+from draftsmith import plan
+from draftsmith.targets import parallel
 from draftsmith.targets.parallel import Layout
 
 MICRO = ROOT / "recipes" / "demo" / "micro-eagle3.yaml"
@@ -174,14 +175,17 @@ def test_plan_weights_agree_with_accelerate(model):
     assert facts.params * 4 == pytest.approx(total_bytes, rel=0.2)
 
 
-def test_a_layout_that_cannot_fit_is_refused_before_any_weight(monkeypatch, micro_target):
-    from draftsmith.targets import loading
-    recipe = micro_recipe(Path("/nonexistent"), micro_target, "target.parallel.tp=2")
+@pytest.mark.parametrize("stage", ["capture", "validate", "train"])
+def test_a_layout_that_cannot_fit_is_refused_before_any_weight(monkeypatch, micro_target, tmp_path, stage):
+    from draftsmith import stages
+    recipe = micro_recipe(tmp_path, micro_target, "target.parallel.tp=2", "capture.mode=online")
+    recipe.capture.mode = "offline" if stage == "capture" else "online"
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(plan, "device_memory", lambda: 2e5)   # 0.2 MB devices
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
                         lambda *a, **k: pytest.fail("weights were read before the memory check"))
-    with pytest.raises(ValueError, match=r"validate at tp 2 x pp 1 \(ep 1\), dp 1: 2 process\(es\): needs .* GiB per device"):
-        loading.load_target(recipe, torch.device("cpu"), Layout(tp=2, world=2), "validate")
+    with pytest.raises(ValueError, match=rf"{stage} at tp 2 x pp 1 \(ep 1\), dp 1: 2 process\(es\): needs .* GiB per device"):
+        stages.dispatch(stage, recipe, None)
 
 
 def test_plan_command(tmp_path, capsys):

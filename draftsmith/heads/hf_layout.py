@@ -40,8 +40,10 @@ def drift_summary(drift: dict) -> str:
     """One line of a drift report (runtime/drift.py) for a model card."""
     ppl = (f"perplexity {drift['perplexity_original']:.3f} -> {drift['perplexity_finetuned']:.3f}"
            if drift.get("perplexity_original") is not None else "perplexity not measured (no conversations with answers)")
-    return (f"teacher-forced top-1 agreement {drift['teacher_forced_top1_agreement']:.3f}, greedy token agreement "
-            f"{drift['greedy_token_agreement']:.3f} (positional), mean KL/token {drift['mean_kl_per_token']:.4f}, {ppl}")
+    forced = drift.get("teacher_forced_top1_agreement")  # absent from reports older than the measure
+    forced = f"teacher-forced top-1 agreement {forced:.3f}, " if forced is not None else ""
+    return (f"{forced}greedy token agreement {drift['greedy_token_agreement']:.3f} (positional), "
+            f"mean KL/token {drift['mean_kl_per_token']:.4f}, {ppl}")
 
 
 def cast(tensors: dict, dtype: str) -> dict:

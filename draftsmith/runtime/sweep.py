@@ -299,7 +299,7 @@ def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, 
     grid, sweep.row_accepts = _load_partial(partial, key)
     free, skipped = _free_memory_bytes(sweep.device), {}
     num_nodes = max(max(ks) for ks in ks_by.values()) + 1
-    bar = tqdm(sizes, desc="economics", unit="batch size")
+    bar = tqdm(sizes, desc="economics", unit="batch size", disable=world_and_rank()[1] != 0)
     for size in bar:
         need = cache_bytes(sweep.model.config, size, sweep.max_len, num_nodes, sweep.model.dtype)
         if need > memory_fraction * free:

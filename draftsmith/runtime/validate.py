@@ -296,7 +296,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
     accept, exact, mismatches, per_prompt = [], 0, [], []
-    bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0)
+    bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=int(os.environ.get("RANK", 0)) != 0)
     for i, prompt in enumerate(bar):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)

@@ -62,10 +62,11 @@ def load_tokenizer(recipe: Recipe):
 def load_target(recipe: Recipe, device: torch.device | None = None, layout=None, stage: str = "validate"):
     """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention. With a sharded `layout`
     (targets/parallel.py) transformers shards it at load time over the launch's process group, each
-    rank reading only its shard; the layout is checked against the config and the device's memory
-    first, so a layout that cannot work fails before any weight is read."""
+    rank reading only its shard; the layout is checked against the config first (and, by the stage,
+    against the device's memory: plan.check_before_loading), so a layout that cannot work fails before
+    any weight is read."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from draftsmith.targets import parallel, plan
+    from draftsmith.targets import parallel
     check_model_path(recipe.target.model)
     device = device or pick_device()
     dtype = resolve_dtype(recipe.target.dtype, device)
@@ -73,9 +74,7 @@ def load_target(recipe: Recipe, device: torch.device | None = None, layout=None,
         model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa")
         model.requires_grad_(False)
         return model.eval().to(device)
-    config = AutoConfig.from_pretrained(recipe.target.model)
-    parallel.check_config(layout, config)
-    plan.fits_or_refuse(recipe, config, layout, stage, plan.device_memory())
+    parallel.check_config(layout, AutoConfig.from_pretrained(recipe.target.model))
     parallel.init_process_group()
     model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa",
                                                  distributed_config=layout.distributed_config())

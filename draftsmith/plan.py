@@ -24,7 +24,7 @@ STORE_BYTES = {**DTYPE_BYTES, "fp8": 1}
 HEADROOM = 0.9          # fraction of a device's memory a plan may fill (allocator fragmentation, CUDA context)
 MFU = 0.4               # the throughput assumption behind the time and write-rate columns
 STAGES = ("regen", "capture", "train", "validate")
-ONE_REPLICA = ("validate", "economics")
+ONE_REPLICA = ("regen", "validate", "economics")  # in-process regeneration too: more replicas = a server
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def candidate_layouts(facts: TargetFacts, gpus: int, stage: str) -> list[Layout]
                 continue
             if facts.experts and tp > 1 and facts.experts % tp:
                 continue
-            # validation and economics run one replica: its tp * pp devices, the others stay free
+            # in-process regeneration, validation and economics run one replica: its tp * pp devices
             out.append(Layout(tp, pp, tp if facts.experts and tp > 1 else 1, world=size if stage in ONE_REPLICA else gpus))
     return out
 
@@ -194,6 +194,28 @@ def forwards(recipe, facts: TargetFacts, stage: str, num_tokens: int | None, num
         return f"at most {v.num_prompts * (v.max_new_tokens + 1) * 3} (speculative, plain and HF generate runs)"
     return "none with an offline store" if recipe.capture.mode == "offline" and recipe.head.lora is None else \
         "one per training step (online)"
+
+
+STAGE_OF = {"capture": "capture", "train": "train", "validate": "validate", "economics": "economics"}
+
+
+def check_before_loading(stage: str, recipe, args=None) -> dict:
+    """What every stage that runs a sharded target checks at start, from the target's config alone: a
+    layout over this rank's device memory is refused before any weight is read (with the smallest one
+    that fits). A whole target per rank, or no GPU, is left to load as it is."""
+    from transformers import AutoConfig
+    from draftsmith.targets.parallel import layout_for
+    if recipe is None:
+        return {}
+    name = STAGE_OF.get(stage)
+    if stage == "data" and (getattr(args, "regen", False) or recipe.data.regen.enabled) and not recipe.data.regen.server:
+        name = "regen"
+    if name is None or (name == "capture" and recipe.capture.mode == "online"):
+        return {}
+    layout = layout_for(recipe, name)
+    if not layout.sharded:
+        return {}
+    return fits_or_refuse(recipe, AutoConfig.from_pretrained(recipe.target.model), layout, name, device_memory())
 
 
 def fits_or_refuse(recipe, config, layout: Layout, stage: str, device_bytes: float | None) -> dict:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/demo/stdlib-code-eagle3.yaml
 
-.PHONY: setup demo test test-fast bench gpu-check clean
+.PHONY: setup demo test test-parallel test-fast bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -19,8 +19,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/draftsmith run --recipe $(RECIPE)
 
+# two tiers, both run by CI (.ci/run): everything but the multi-process sharded-target tests, then those
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=900 tests
+	$(BIN)/python -m pytest -q --timeout=900 -m "not parallel" tests
+
+test-parallel: $(STAMP)
+	$(BIN)/python -m pytest -q --timeout=900 -m parallel tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -1,7 +1,7 @@
 """Targets sharded over several processes (target.parallel: transformers' DistributedConfig on a torch
 DeviceMesh, gloo on CPU) against one process on the micro target, and `draftsmith plan` on the real
-recipes' configs (no weights). The multi-process tests carry the `parallel` marker (make test runs
-them; `make test-fast` leaves them out with the other slow ones)."""
+recipes' configs (no weights). The multi-process tests carry the `parallel` marker: `make test-parallel`
+runs them (CI runs it after `make test`, which leaves them out)."""
 from __future__ import annotations
 
 import json

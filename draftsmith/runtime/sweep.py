@@ -419,7 +419,8 @@ def _plots(out_dir: Path, result: dict) -> None:
     ax3.set_xticks([j + 0.4 - width / 2 for j in range(len(domains))], domains, fontsize=7)
     ax3.set(ylabel="i.i.d. alpha", ylim=(0, 1), title="acceptance per domain (largest K)")
     ax3.legend(fontsize=7)
-    ax4.set(xscale="log", yscale="log", xlabel="batch size", ylabel="c(B) = draft step / plain decode step",
+    positive = all(d["by_batch_size"][str(b)]["c"] > 0 for d in result["drafters"].values() for b in sizes)
+    ax4.set(xscale="log", yscale="log" if positive else "linear", xlabel="batch size", ylabel="c(B) = draft step / plain decode step",
             title="draft cost against load (batched drafting)")
     ax4.legend(fontsize=7)
     fig.tight_layout()

@@ -373,3 +373,21 @@ def manifests_finish(recipe) -> dict:
 def target_config_of(recipe):
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(recipe.target.model)
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_economics_sweep_runs_one_replica_and_writes_once(micro_pipeline, tmp_path):
+    over = [f"out_dir={micro_pipeline.out_dir}", f"target.model={micro_pipeline.target.model}", "economics.batch_sizes=[1,2]",
+            "economics.num_speculative_tokens=[2]", "economics.baselines=[ngram]", "economics.num_prompts=2",
+            "economics.max_new_tokens=8"]
+    from draftsmith import cli
+    assert cli.main(["economics", "--recipe", str(MICRO), "--out", str(tmp_path / "one"), *over]) == 0
+    _torchrun(2, "-m", "draftsmith.cli", "economics", "--recipe", str(MICRO), "--out", str(tmp_path / "tp2"), *over,
+              "target.parallel.tp=2")
+    one, tp2 = (json.loads((tmp_path / n / "economics.json").read_text()) for n in ("one", "tp2"))
+    assert not (tmp_path / "tp2" / "partial.json").exists()
+    for name in ("eagle3", "ngram"):
+        a, b = one["drafters"][name], tp2["drafters"][name]
+        assert b["exact_rows"] == b["rows"] == a["rows"]
+        assert [c["2"]["tau"] for c in b["cells"].values()] == [c["2"]["tau"] for c in a["cells"].values()]

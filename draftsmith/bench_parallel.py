@@ -67,7 +67,7 @@ def worker(out: str, recipe_path: str, *overrides: str) -> None:
     recipe = recipe_mod.load(recipe_path, list(overrides))
     model, tokenizer, draft_head, _, _ = load_target_and_head(recipe, None)
     result = {"capture_tokens_per_s": _capture_tokens_per_s(recipe, model)} | _decode_tokens_per_s(recipe, model, draft_head, tokenizer)
-    if parallel.world_and_rank()[1] == 0:
+    if parallel.is_first_rank():
         Path(out).write_text(json.dumps(result))
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from draftsmith import recipe as recipe_mod
@@ -66,7 +65,8 @@ def _load(args) -> recipe_mod.Recipe:
     recipe = recipe_mod.load(args.recipe, args.overrides)
     capture_needs(recipe.head.kind)  # an unknown head.kind fails here, listing the valid kinds
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("RANK", "0") == "0":  # the other ranks of a launch resolved the same recipe
+    from draftsmith.targets.parallel import is_first_rank
+    if is_first_rank():  # the other ranks of a launch resolved the same recipe
         (recipe.run_dir / "recipe.yaml").write_text(recipe_mod.dump(recipe))
     return recipe
 

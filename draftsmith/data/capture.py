@@ -230,7 +230,7 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     from draftsmith.targets.loading import load_target
     layout = parallel.layout_for(recipe, "capture")
     parallel.init_process_group()  # gloo across CPU processes when there is no GPU
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    device = parallel.rank_device(torch.device("cpu"))
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe, device, layout, "capture")
     cfg = model.config.get_text_config()

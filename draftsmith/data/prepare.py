@@ -100,8 +100,8 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
         from draftsmith.data.regen import regenerate
         # keyed by the target's fingerprint: answers of another (or retrained) target are never reused
         train, regen_counts = regenerate(recipe, tokenizer, train, out / f"regen-{target_fingerprint(recipe.target.model)}.jsonl")
-        from draftsmith.targets.parallel import world_and_rank
-        if world_and_rank()[1] != 0:  # a sharded target's other ranks helped generate; rank 0 writes the stage
+        from draftsmith.targets.parallel import is_first_rank
+        if not is_first_rank():  # a sharded target's other ranks helped generate; rank 0 writes the stage
             return {}
     columns = encode_all(recipe, tokenizer, train, skips)
     _refuse_empty(recipe, "training conversations with assistant (loss) tokens", len(columns["id"]), num_read, skips)

@@ -9,7 +9,6 @@ regenerated + reused + skipped + failed always equals the input count, and every
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -92,7 +91,7 @@ def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict
     cfg = recipe.data.regen
     layout = parallel.layout_for(recipe, "regen")
     parallel.one_replica(layout, "in-process regeneration")
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}") if torch.cuda.is_available() else pick_device()
+    device = parallel.rank_device(pick_device())
     model = load_target(recipe, device, layout, "regen")
     for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch", mininterval=2.0,
                       disable=layout.rank != 0):
@@ -121,7 +120,7 @@ def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> 
         parallel.barrier()  # every rank reads what is done before rank 0 appends anything
     done = _load_done(out_path)
     todo = [c for c in items if "messages" in c and c["id"] not in done]
-    if parallel.world_and_rank()[1] != 0:  # a sharded target's other ranks: the same forwards, nothing written
+    if not parallel.is_first_rank():  # a sharded target's other ranks: the same forwards, nothing written
         if todo and not cfg.server:
             _in_process(recipe, tokenizer, todo, lambda record: None, {"finish_reasons": Counter(), "failures": []})
         return items, {}

@@ -35,7 +35,7 @@ from draftsmith.runtime.baselines import (
 from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
-from draftsmith.targets.parallel import world_and_rank
+from draftsmith.targets.parallel import is_first_rank
 
 
 def economics_dir(recipe: Recipe) -> Path:
@@ -299,7 +299,7 @@ def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, 
     grid, sweep.row_accepts = _load_partial(partial, key)
     free, skipped = _free_memory_bytes(sweep.device), {}
     num_nodes = max(max(ks) for ks in ks_by.values()) + 1
-    bar = tqdm(sizes, desc="economics", unit="batch size", disable=world_and_rank()[1] != 0)
+    bar = tqdm(sizes, desc="economics", unit="batch size", disable=not is_first_rank())
     for size in bar:
         need = cache_bytes(sweep.model.config, size, sweep.max_len, num_nodes, sweep.model.dtype)
         if need > memory_fraction * free:
@@ -309,7 +309,7 @@ def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, 
             continue  # measured before a kill, with these weights and settings
         bar.set_postfix(batch=size)
         grid[size] = sweep.run_batch(size, factories, ks_by)
-        if world_and_rank()[1] == 0:  # the ranks of a sharded target ran the same batches: one writes
+        if is_first_rank():  # the ranks of a sharded target ran the same batches: one writes
             partial.parent.mkdir(parents=True, exist_ok=True)
             artifacts.write_json(partial, {"key": key, "grid": grid, "row_accepts": sweep.row_accepts})
     return {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}, skipped
@@ -369,7 +369,7 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
         if name == draft_head.kind:
             summary["sglang"] = sglang_settings(summary["schedule"])
         result["drafters"][name] = summary
-    if world_and_rank()[1] == 0:
+    if is_first_rank():
         write_economics_report(out_dir, result)
         partial.unlink(missing_ok=True)
     head_summary = result["drafters"][draft_head.kind]

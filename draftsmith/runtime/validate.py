@@ -8,7 +8,6 @@ ratio c and the expected walltime factor tau / (gamma * c + 1)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,6 +25,7 @@ from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.heads.loading import load_head
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.verify import SamplingConfig
+from draftsmith.targets.parallel import is_first_rank
 
 
 def validate_dir(recipe: Recipe) -> Path:
@@ -176,10 +176,9 @@ def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validat
     from draftsmith.targets.loading import load_target, load_tokenizer, pick_device
     layout = parallel.layout_for(recipe, stage)
     parallel.one_replica(layout, stage)
-    if layout.sharded and torch.cuda.is_available():
-        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-    else:
-        device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    if layout.sharded:
+        device = parallel.rank_device(device)
     torch.manual_seed(recipe.seed)
     model, tokenizer = load_target(recipe, device, layout, stage), load_tokenizer(recipe)
     head_path = Path(head) if head else recipe.run_dir / "head"
@@ -232,7 +231,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     result["passed"] = bool(result["exact_match"] and not result["non_finite_tensors"]
                             and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
     out_dir = Path(out) if out else validate_dir(recipe)
-    if parallel.world_and_rank()[1] == 0:  # every rank of a sharded target ran the same decoding; one writes
+    if parallel.is_first_rank():  # every rank of a sharded target ran the same decoding; one writes
         write_report(out_dir, result)
     return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
         "report": str(out_dir / "report.md")}
@@ -296,7 +295,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
     accept, exact, mismatches, per_prompt = [], 0, [], []
-    bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=int(os.environ.get("RANK", 0)) != 0)
+    bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=not is_first_rank())
     for i, prompt in enumerate(bar):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)

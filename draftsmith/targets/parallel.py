@@ -78,6 +78,17 @@ def world_and_rank() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
+def is_first_rank() -> bool:
+    """The rank that writes what every rank of a launch computed alike (rank 0; the only one without a launch)."""
+    return world_and_rank()[1] == 0
+
+
+def rank_device(fallback):
+    """This rank's GPU under torchrun/accelerate (LOCAL_RANK), else `fallback`."""
+    import torch
+    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}") if torch.cuda.is_available() else fallback
+
+
 def layout_for(recipe, stage: str) -> Layout:
     """The recipe's layout in this launch, refused at start (before any weight is read) where it cannot
     run: a world size that is not a multiple of tp * pp, pipeline stages where hooks read every layer,

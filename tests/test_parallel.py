@@ -125,11 +125,11 @@ def test_layout_checked_against_the_config():
     parallel.check_config(Layout(tp=4, ep=4, world=4), target_config("Qwen/Qwen3-30B-A3B"))
 
 
-def test_joint_training_on_a_tensor_parallel_target_is_refused_before_loading(monkeypatch):
+def test_joint_training_on_a_sharded_target_with_replicas_is_refused_before_loading(monkeypatch):
     from draftsmith.train.run import build_trainer
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     recipe = recipe_mod.load(ROOT / "recipes/demo/stdlib-code-medusa2.yaml", ["target.parallel.tp=2", "target.model=/nonexistent"])
-    with pytest.raises(ValueError, match=r"head.lora.*FSDP2.*recipes/launch/fsdp.yaml"):
+    with pytest.raises(ValueError, match=r"joint training \(head.lora\) on a sharded target runs one replica.*dp 2"):
         build_trainer(recipe)
 
 
@@ -313,6 +313,49 @@ def test_tp2_online_training_first_step_equals_one_process(reference, tmp_path, 
     assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     assert first[1]["tokens"] == first[0]["tokens"]                           # the replica's two ranks: one batch
     assert artifacts.read_manifest(sharded.run_dir / "head", "train")["steps"] == 1
+
+
+JOINT = ("head.kind=medusa", "capture.mode=online", "train.max_steps=4", "train.save_every=2", "train.log_every=1",
+         "train.eval_every=1000", "head.lora={rank: 4, alpha: 8, heads_only_steps: 1, heads_ramp: constant}")
+
+
+def _steps(recipe) -> dict[int, dict]:
+    rows = map(json.loads, (recipe.run_dir / "train" / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r for r in rows if "loss" in r and "eval" not in r}
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_joint_training_equals_one_process_and_resumes_on_either_layout(reference, tmp_path, micro_target):
+    """Medusa-2 (LoRA adapters on the target, KL self-distillation) at tp 2: peft shards the adapters as
+    transformers shards the target. Same losses and gradient norms as one process, step by step through
+    the heads-only stage into the joint one; a checkpoint written at tp 2 holds whole tensors, so one
+    process resumes it and continues the same curve."""
+    from safetensors.torch import load_file
+    from draftsmith.train.run import run_train
+    one = _with_data_of(reference, tmp_path / "one", micro_target, *JOINT)
+    run_train(one)
+    sharded = _with_data_of(reference, tmp_path / "tp2", micro_target, *JOINT)
+    _torchrun(2, *_cli("train", sharded, "target.parallel.tp=2", *JOINT))
+    ours, theirs = _steps(sharded), _steps(one)
+    assert sorted(ours) == [1, 2, 3, 4] and [ours[s]["stage"] for s in ours] == [1.0, 2.0, 2.0, 2.0]
+    assert ours[1]["loss"] == pytest.approx(theirs[1]["loss"], rel=1e-5)
+    for step in (2, 3, 4):                                                   # the adapters in play from step 2
+        for key in ("loss", "kl", "head_loss", "grad_norm"):
+            assert ours[step][key] == pytest.approx(theirs[step][key], rel=1e-4, abs=1e-7), (step, key)
+    adapters = [load_file(str(r.run_dir / "head" / "lora" / "adapter_model.safetensors")) for r in (one, sharded)]
+    assert set(adapters[0]) == set(adapters[1]) and any(v.any() for k, v in adapters[1].items() if "lora_B" in k)
+    for name, value in adapters[0].items():                                  # whole tensors, same shapes
+        assert adapters[1][name].shape == value.shape, name
+        assert torch.allclose(adapters[1][name], value, rtol=1e-3, atol=1e-6), name
+    # the tp 2 run's step-2 checkpoint, resumed by one process: steps 3 and 4 as the tp 2 run had them
+    resumed = _with_data_of(reference, tmp_path / "resumed", micro_target, *JOINT)
+    shutil.copytree(sharded.run_dir / "train" / "checkpoints", resumed.run_dir / "train" / "checkpoints")
+    _torchrun(1, *_cli("train", resumed, *JOINT))                            # the tp 2 run's recipe, tp 1
+    again = _steps(resumed)
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        assert again[step]["loss"] == pytest.approx(ours[step]["loss"], rel=1e-4), step
 
 
 @pytest.mark.slow

@@ -17,8 +17,10 @@ def lora_config(cfg: LoraJointConfig):
                       bias="none", task_type="CAUSAL_LM")
 
 
-def attach_lora(model, cfg: LoraJointConfig):
-    """The target wrapped with fresh adapters (B = 0: the adapted model starts equal to the target)."""
+def attach_lora(model, cfg: LoraJointConfig, seed: int = 0):
+    """The target wrapped with fresh adapters (B = 0: the adapted model starts equal to the target).
+    A tensor-parallel target (transformers' DTensor shards) gets adapters sharded alike: peft shards
+    A of a rowwise layer and B of a colwise one, and gathers nothing."""
     from peft import get_peft_model
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     absent = [m for m in cfg.target_modules if m not in names]
@@ -27,7 +29,33 @@ def attach_lora(model, cfg: LoraJointConfig):
                          f"linear modules it has: {sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))[:6]}...")
     for p in model.parameters():
         p.requires_grad_(False)
-    return get_peft_model(model, lora_config(cfg))
+    peft_model = get_peft_model(model, lora_config(cfg))
+    _draw_adapters(peft_model, seed)
+    return peft_model
+
+
+def _draw_adapters(peft_model, seed: int) -> None:
+    """Every A matrix drawn again at its full shape from one seeded generator (peft's own init,
+    Kaiming-uniform), each rank keeping its slice: the adapters start the same whatever the layout
+    (peft draws a sharded A per rank, from that rank's RNG). Also sets a sharded A's `in_features`
+    to the full width: peft leaves the local one, which transformers' rowwise input hook reads as
+    the full width (the forward then fails on a reshape)."""
+    import math
+    from torch.distributed.tensor import distribute_tensor
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in peft_model.named_modules():
+        if not (isinstance(module, torch.nn.Linear) and ".lora_A." in f"{name}."):
+            continue
+        weight = module.weight
+        full = torch.empty(weight.shape, dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+        with torch.no_grad():
+            if hasattr(weight, "placements"):
+                weight.to_local().copy_(distribute_tensor(full, weight.device_mesh, weight.placements,
+                                                          src_data_rank=None).to_local())
+                module.in_features = weight.shape[1]
+            else:
+                weight.copy_(full)
 
 
 def save_adapter(peft_model, state: dict[str, torch.Tensor], directory: Path) -> None:

@@ -63,7 +63,50 @@ class Layout:
 
 def full(tensor):
     """A tensor-parallel weight (a DTensor shard) gathered to the full tensor; plain tensors as they are."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def is_sharded(tensor) -> bool:
+    return hasattr(tensor, "full_tensor")
+
+
+def shard_like(value, param):
+    """A whole tensor cut to this rank's slice of `param`'s layout (no communication): how a checkpoint of
+    gathered tensors loads back into tensor-parallel shards."""
+    if not is_sharded(param) or is_sharded(value) or value.shape != param.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def clip_grad_norm(parameters, max_norm: float):
+    """torch's clip_grad_norm_ over a mix of plain tensors and DTensor shards (LoRA adapters on a
+    tensor-parallel target), which torch's own takes as local norms: each norm is made whole over its
+    mesh first. Returns the total norm."""
+    import torch
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([full(torch.linalg.vector_norm(g.float())) for g in grads]))
+    scale = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+    for grad in grads:
+        grad.mul_(scale)
+    return total
+
+
+def whole_optimizer_state(optimizer) -> None:
+    """Optimizer checkpoints hold whole tensors whatever the layout: state_dict() gathers the moments
+    of DTensor parameters (a collective: accelerate calls it on every rank) and load_state_dict() cuts
+    them back to this rank's slice, so a run resumes on the layout it was saved with or another."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def gather(_, state):
+        state["state"] = {i: {k: full(v) for k, v in s.items()} for i, s in state["state"].items()}
+        return state
+
+    def scatter(_, state):
+        state["state"] = {i: {k: shard_like(v, params[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
+        return state
+    optimizer.register_state_dict_post_hook(gather)
+    optimizer.register_load_state_dict_pre_hook(scatter)
 
 
 def one_replica(layout: Layout, stage: str) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from draftsmith.recipe import LoraJointConfig
+from draftsmith.targets.parallel import full, is_sharded, shard_like
 
 
 def heads_only_steps(cfg: LoraJointConfig, total_steps: int) -> int:
@@ -42,6 +43,12 @@ class JointModel(nn.Module):
         self.target, self.head, self.cfg = peft_target, head, cfg
         self.kind, self.config = head.kind, head.config
         self.total_steps, self.stage1_steps = total_steps, heads_only_steps(cfg, total_steps)
+        self.sharded = any(is_sharded(p) for p in peft_target.parameters())
+        if self.sharded:
+            # a tensor-parallel target (DTensor shards, adapters sharded alike by peft): DDP, which cannot
+            # hold DTensors, syncs the head only; the ranks of the replica compute the adapters' gradients
+            self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name, _ in
+                                                      [*peft_target.named_parameters(), *peft_target.named_buffers()]]
 
     def draft_config(self) -> dict:
         return self.head.draft_config()
@@ -59,10 +66,11 @@ class JointModel(nn.Module):
         return state
 
     def state_dict(self, *args, **kwargs):
-        """Only what training changes: checkpoints never carry the frozen target."""
-        full = super().state_dict(*args, **kwargs)
+        """Only what training changes, whole (a tensor-parallel adapter's shards gathered, on every rank):
+        checkpoints never carry the frozen target and read the same whatever the layout."""
+        state = super().state_dict(*args, **kwargs)
         keep = set(self.trainable_state())
-        return type(full)((k, v) for k, v in full.items() if k in keep)
+        return type(state)((k, full(v)) for k, v in state.items() if k in keep)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """A checkpoint holds the trained tensors only: the frozen target's are not 'missing'
@@ -71,6 +79,8 @@ class JointModel(nn.Module):
         missing = [k for k in trained if k not in state_dict]
         if strict and missing:
             raise RuntimeError(f"joint checkpoint lacks {missing[:4]}")
+        own = self.trainable_state()
+        state_dict = {k: shard_like(v, own[k]) if k in own else v for k, v in state_dict.items()}
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         return type(result)([k for k in result.missing_keys if k in trained], result.unexpected_keys)
 

@@ -54,17 +54,20 @@ def _init_from(head, path: str, target_config, d2t, t2d):
 
 
 def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int):
-    """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module."""
+    """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module. A
+    tensor-parallel target gets tensor-parallel adapters (peft), trained by the ranks of one replica."""
     from draftsmith.targets.lora import attach_lora
+    from draftsmith.targets.parallel import full, layout_for
     from draftsmith.train.joint import JointModel, heads_only_steps
     heads_only_steps(recipe.head.lora, total_steps)  # refused before the target loads
+    layout = layout_for(recipe, "train")
     if recipe.capture.mode != "online":
         raise ValueError(f"head.lora is set (joint training of head and target): set capture.mode: online "
                          f"(got {recipe.capture.mode!r}); the target's features change as it trains")
-    model = load_target(recipe, accelerator.device)
-    embed, lm_head = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    model = load_target(recipe, accelerator.device, layout, "train")
+    embed, lm_head = full(model.get_input_embeddings().weight.detach()), full(model.get_output_embeddings().weight.detach())
     head.load_target_weights(embed, lm_head)
-    joint = JointModel(attach_lora(model, recipe.head.lora), head, recipe.head.lora, total_steps)
+    joint = JointModel(attach_lora(model, recipe.head.lora, recipe.train.seed), head, recipe.head.lora, total_steps)
     return B.TokenSource(dataset), joint, lm_head
 
 
@@ -78,11 +81,10 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     from transformers import AutoConfig
     from draftsmith.targets.parallel import layout_for
     layout = layout_for(recipe, "train")
-    if layout.sharded and recipe.head.lora is not None:
-        raise ValueError(f"target.parallel tp={layout.tp} ep={layout.ep}: joint training (head.lora) attaches LoRA "
-                         "adapters to a whole target per rank, or one sharded by FSDP2, not to tensor-parallel "
-                         "shards in this release; shard a joint run's target with FSDP2 instead: "
-                         "target.parallel.tp=1 and accelerate launch --config_file recipes/launch/fsdp.yaml")
+    if recipe.head.lora is not None and layout.sharded and layout.dp > 1:  # before any process group or weight
+        raise ValueError(f"target.parallel tp={layout.tp} ep={layout.ep}: joint training (head.lora) on a sharded target "
+                         f"runs one replica, but {layout.world} processes make dp {layout.dp}; launch tp = {layout.tp} "
+                         "processes (torchrun --nproc-per-node ...), or tp=1 for data-parallel replicas of a whole target")
     accelerator = accelerator or make_accelerator(recipe)
     dataset, data_manifest = load_train(recipe)
     target_config = AutoConfig.from_pretrained(recipe.target.model)
@@ -93,7 +95,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     if recipe.head.lora is not None:
         train_idx, _ = B.split_indices(len(dataset))
         source, joint, lm_head = _joint(recipe, dataset, head, accelerator,
-                                        _planned_steps(recipe, len(train_idx), accelerator.num_processes))
+                                        _planned_steps(recipe, len(train_idx), layout.dp))
         return _assemble(recipe, joint, source, None, lm_head, accelerator, text_config.vocab_size,
                          {"draft_vocab_size": text_config.vocab_size, "coverage": 1.0})
     source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)

@@ -101,6 +101,10 @@ class Trainer:
         optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lr_lambda(self.total_steps, self.cfg.warmup_ratio, start)
                                                                   for start in starts])
+        self.sharded = getattr(head, "sharded", False)  # adapters on a tensor-parallel target: DTensor shards
+        if self.sharded:
+            from draftsmith.targets.parallel import whole_optimizer_state
+            whole_optimizer_state(optimizer)
         self.model, self.optimizer, self.scheduler = accelerator.prepare(head, optimizer, scheduler)
         self.step = self.micro_step = self.tokens = 0
         self.log = MetricsLog(train_dir(recipe) / "metrics.jsonl", accelerator.is_main_process)
@@ -145,7 +149,7 @@ class Trainer:
             self.accelerator.backward(loss)
             grad_norm = None
             if self.accelerator.sync_gradients:
-                grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                grad_norm = self.clip_gradients()
             self.optimizer.step()
             if self.accelerator.sync_gradients:
                 self.scheduler.step()
@@ -156,6 +160,12 @@ class Trainer:
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         return metrics
+
+    def clip_gradients(self):
+        if self.sharded:
+            from draftsmith.targets.parallel import clip_grad_norm
+            return clip_grad_norm(self.model.parameters(), self.cfg.max_grad_norm)
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
 
     def run(self) -> dict:
         from tqdm import tqdm
@@ -216,10 +226,13 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def head_tensors(self) -> dict:
+        """The trained tensors, whole on every rank (a tensor-parallel adapter's shards gathered: a collective,
+        so every rank calls this)."""
+        from draftsmith.targets.parallel import full
         state = self.accelerator.get_state_dict(self.model)
         unwrapped = self.accelerator.unwrap_model(self.model)
         keep = set(unwrapped.trainable_state())
-        return {k: v for k, v in state.items() if k in keep}
+        return {k: full(v) for k, v in state.items() if k in keep}
 
     def metadata(self) -> dict:
         unwrapped = self.accelerator.unwrap_model(self.model)

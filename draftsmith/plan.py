@@ -22,6 +22,7 @@ GIB = 2 ** 30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STORE_BYTES = {**DTYPE_BYTES, "fp8": 1}
 HEADROOM = 0.9          # fraction of a device's memory a plan may fill (allocator fragmentation, CUDA context)
+HOST = "host_buffers"    # a stage part that is host RAM, not device memory (capture's store buffers)
 MFU = 0.4               # the throughput assumption behind the time and write-rate columns
 STAGES = ("regen", "capture", "train", "validate")
 ONE_REPLICA = ("regen", "validate", "economics")  # in-process regeneration too: more replicas = a server
@@ -117,6 +118,8 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
             data.regen.batch_size * facts.vocab * 4 * 2
     elif stage == "capture":
         parts["activations"] = recipe.capture.batch_tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
+        # host RAM, not the device's: a batch's features, converted to the store's dtype and compressed
+        host = recipe.capture.batch_tokens * store_bytes_per_token(recipe, facts) * 3
     elif stage in ("validate", "economics"):  # economics sizes its batches to the memory left (economics.memory_fraction)
         v = recipe.validate
         parts["kv_cache"] = (data.max_length + v.max_new_tokens + v.num_nodes) * kv_per_token
@@ -127,6 +130,10 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
         online = recipe.capture.mode == "online" or recipe.head.lora is not None
         if online:
             parts["activations"] = recipe.train.max_batch_tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
+        if recipe.head.lora is not None:  # backward through the adapted target: what every layer keeps for it
+            # (Korthikanti et al. 2022, no recompute, fused attention: (10 + 24 / tp) h bytes per token in 16 bits)
+            parts["activations"] += recipe.train.max_batch_tokens * facts.layers / layout.pp * \
+                (10 + 24 / layout.tp) * facts.hidden * b / 2
         else:  # offline: the trainer reads the embedding, the lm_head and the layers it rebuilds features with
             ids = _layer_ids(recipe, facts)
             kept = (ids[0] + facts.layers - ids[-1]) if ids and recipe.capture.recompute else 0
@@ -139,7 +146,22 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
     else:
         raise ValueError(f"plan: unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     parts["total"] = sum(parts.values())
+    if stage == "capture":
+        parts[HOST] = host
     return parts
+
+
+def store_bytes_per_token(recipe, facts: TargetFacts) -> int:
+    """Bytes a token takes in the capture store, uncompressed. A compact store holds every feature but
+    the lowest; a full one all of them and the teacher."""
+    ids = _layer_ids(recipe, facts)
+    features = (len(ids) - 1 if recipe.capture.recompute else len(ids) + 1) if ids else 1
+    return features * facts.hidden * STORE_BYTES[recipe.capture.dtype]
+
+
+def device_parts(parts: dict) -> dict:
+    """The parts that live on the device (the host buffers left out), total excepted."""
+    return {k: v for k, v in parts.items() if k not in ("total", HOST)}
 
 
 def _gib(value: float) -> str:
@@ -230,7 +252,7 @@ def fits_or_refuse(recipe, config, layout: Layout, stage: str, device_bytes: flo
         hint = (f"target.parallel.tp={better.tp} pp={better.pp} ep={better.ep} fits on these {layout.world} devices"
                 if better else "no layout of this many devices fits; `draftsmith plan` finds how many are needed")
         raise ValueError(f"{stage} at {layout.describe()}: needs {parts['total'] / GIB:.1f} GiB per device "
-                         f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in parts.items() if k != 'total')}), "
+                         f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in device_parts(parts).items())}), "
                          f"the device has {device_bytes / GIB:.1f} GiB; {hint}")
     return parts
 
@@ -263,10 +285,8 @@ def make_plan(recipe, config, gpus: int, gpu_memory_gb: float, nodes: int = 1, g
                     "crosses_nodes": layout.tp * layout.pp > gpus // nodes}
             if stage == "capture":  # a prefill-shaped forward: compute-bound, so a FLOP rate bounds it
                 tokens_per_s = layout.dp * gpu_tflops * 1e12 * MFU * layout.tp * layout.pp / (2 * facts.active_params)
-                row["tokens_per_s_at_mfu"] = round(tokens_per_s)  # compact store: every feature but the lowest; full: all of them and the teacher
-                ids = _layer_ids(recipe, facts)
-                features = (len(ids) - 1 if recipe.capture.recompute else len(ids) + 1) if ids else 1
-                per_token = features * facts.hidden * STORE_BYTES[recipe.capture.dtype]
+                row["tokens_per_s_at_mfu"] = round(tokens_per_s)
+                per_token = store_bytes_per_token(recipe, facts)
                 row["store_bytes_per_token"] = per_token
                 row["store_write_mb_per_s"] = round(per_token * tokens_per_s / 1e6, 1)
                 if num_tokens:
@@ -286,11 +306,12 @@ def render_plan(plan: dict) -> str:
             lines.append(f"  {stage:<9} does not fit on {plan['gpus']} devices of {plan['gpu_memory_gb']:.0f} GB: {hint}; "
                          f"forwards: {row['forwards']}")
             continue
-        mem = ", ".join(f"{k} {v}" for k, v in row["per_device_gib"].items() if k != "total")
+        mem = ", ".join(f"{k} {v}" for k, v in device_parts(row["per_device_gib"]).items())
         extra = ""
         if "store_bytes_per_token" in row:
             extra = f"; ~{row['tokens_per_s_at_mfu']} tokens/s at {MFU:.0%} MFU; store {row['store_bytes_per_token']} B/token uncompressed, ~{row['store_write_mb_per_s']} MB/s"
             extra += f", {row['store_gb']} GB in all" if "store_gb" in row else ""
+            extra += f"; host RAM for store buffers {row['per_device_gib'][HOST]} GiB per rank"
         lines.append(f"  {stage:<9} tp {row['tp']} x pp {row['pp']} (ep {row['ep']}), dp {row['dp']}"
                      f"{' (tp crosses nodes)' if row['crosses_nodes'] else ''}"
                      f"{', head state sharded by ZeRO-3 (recipes/launch/zero3.yaml)' if row.get('zero3') else ''}: "

@@ -383,6 +383,45 @@ def test_tp2_runtime_decodes_like_one_process(micro_pipeline, tmp_path):
 
 
 @pytest.fixture(scope="module")
+def wide_target(tmp_path_factory, micro_target) -> Path:
+    """A random Llama of 200M parameters (800 MB in fp32) with the micro target's tokenizer: big enough
+    that its weights and activations stand out of the interpreter's own memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = tmp_path_factory.mktemp("wide") / "target"
+    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                  num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_plan_capture_memory_agrees_with_measured_peak(tmp_path, wide_target):
+    """`draftsmith plan`'s per-device formula against the capture stage's measured memory, per rank, in
+    one process and at tp 2: each rank's weights are its shard, and weights + activation peak (+ the
+    store's host buffers, which a CPU's RSS holds too) fall within 20% of the plan."""
+    over = [f"target.model={wide_target}", "data.max_conversations=20", "capture.dtype=fp32", "target.dtype=fp32"]
+    worker = str(ROOT / "tests" / "memory_worker.py")
+    measured = {}
+    for tp in (1, 2):
+        recipe = recipe_mod.load(MICRO, [f"out_dir={tmp_path / f'tp{tp}'}", *over])
+        run_data(recipe)
+        _torchrun(tp, worker, str(tmp_path / f"tp{tp}.json"), str(MICRO), f"out_dir={recipe.out_dir}", *over,
+                  f"target.parallel.tp={tp}")
+        measured[tp] = json.loads((tmp_path / f"tp{tp}.json").read_text())
+    for tp, ranks in measured.items():
+        assert len(ranks) == tp
+        for rank in ranks:
+            predicted = rank["plan"]
+            assert rank["weights"] == pytest.approx(predicted["weights"], rel=0.01), tp
+            assert rank["weights"] + rank["activations"] == pytest.approx(
+                predicted["total"] + predicted[plan.HOST], rel=0.2), (tp, rank)
+    assert all(r["weights"] * 2 == pytest.approx(measured[1][0]["weights"], rel=0.01) for r in measured[2])
+
+
+@pytest.fixture(scope="module")
 def moe_target(tmp_path_factory, micro_target) -> Path:
     """A tiny Qwen3-MoE (4 experts, 2 per token, random weights) with the micro target's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -112,10 +112,10 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
     kv_per_token = kv_cache_bytes(facts, 1, layout, b)
     parts = {"weights": weight_bytes(facts, layout, b)}
     data = recipe.data
-    if stage == "regen":
-        parts["kv_cache"] = data.regen.batch_size * (data.max_length + data.regen.max_new_tokens) * kv_per_token
-        parts["activations"] = data.regen.batch_size * data.max_length * (8 * facts.hidden * b) + \
-            data.regen.batch_size * facts.vocab * 4 * 2
+    if stage == "regen":  # under pp one conversation at a time (data/regen.py)
+        batch = data.regen.batch_size if layout.pp == 1 else 1
+        parts["kv_cache"] = batch * (data.max_length + data.regen.max_new_tokens) * kv_per_token
+        parts["activations"] = batch * data.max_length * (8 * facts.hidden * b) + batch * facts.vocab * 4 * 2
     elif stage == "capture":
         parts["activations"] = recipe.capture.batch_tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
         # host RAM, not the device's: a batch's features, converted to the store's dtype and compressed

@@ -285,12 +285,14 @@ def chatty_target(tmp_path_factory, micro_target) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parallel
-def test_tp2_regeneration_gives_the_same_turns(tmp_path, chatty_target):
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_sharded_regeneration_gives_the_same_turns(tmp_path, chatty_target, layout):
+    """Batched generation on a target split over 2 processes, by tensor (tp 2) or by layers (pp 2)."""
     regen = ("data.max_conversations=8", "data.regen.max_new_tokens=16", "data.regen.batch_size=4")
     one = micro_recipe(tmp_path / "one", chatty_target, *SMALL, *regen)
     run_data(one, regen=True)
-    sharded = micro_recipe(tmp_path / "tp2", chatty_target, *SMALL, *regen)
-    _torchrun(2, *_cli("data", sharded, "target.parallel.tp=2", *regen, flags=("--regen",)))
+    sharded = micro_recipe(tmp_path / layout, chatty_target, *SMALL, *regen)
+    _torchrun(2, *_cli("data", sharded, f"target.parallel.{layout}=2", *regen, flags=("--regen",)))
     files = [sorted((r.run_dir / "data").glob("regen-*.jsonl")) for r in (one, sharded)]
     assert len(files[0]) == len(files[1]) == 1
     rows = [sorted((json.loads(line) for line in f[0].read_text().splitlines()), key=lambda x: x["id"]) for f in files]

@@ -93,9 +93,15 @@ def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict
     parallel.one_replica(layout, "in-process regeneration")
     device = parallel.rank_device(pick_device())
     model = load_target(recipe, device, layout, "regen")
-    for start in tqdm(range(0, len(todo), cfg.batch_size), desc="regen", unit="batch", mininterval=2.0,
+    # transformers' pipeline stages decode a left-padded row wrongly once the KV cache is in use (the
+    # prefill is right, later tokens diverge from one process): under pp a batch is one conversation
+    batch_size = cfg.batch_size if layout.pp == 1 else 1
+    if batch_size != cfg.batch_size and layout.rank == 0:
+        print(f"[draftsmith] target.parallel.pp={layout.pp}: regenerating one conversation at a time "
+              f"(data.regen.batch_size={cfg.batch_size} applies at pp 1); tp batches them", flush=True)
+    for start in tqdm(range(0, len(todo), batch_size), desc="regen", unit="batch", mininterval=2.0,
                       disable=layout.rank != 0):
-        batch = todo[start:start + cfg.batch_size]
+        batch = todo[start:start + batch_size]
         try:
             results, reasons = _regenerate_batch(model, tokenizer, batch, cfg, recipe.data.system_prompt)
         except (RuntimeError, ValueError) as exc:

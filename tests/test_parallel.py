@@ -360,6 +360,57 @@ def test_tp2_joint_training_equals_one_process_and_resumes_on_either_layout(refe
         assert again[step]["loss"] == pytest.approx(ours[step]["loss"], rel=1e-4), step
 
 
+@pytest.fixture(scope="module")
+def deepseek_target(tmp_path_factory, micro_target) -> Path:
+    """A tiny DeepSeek-V3 (MLA attention, 4 routed experts + 1 shared, first layer dense; random weights)
+    with the micro target's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = tmp_path_factory.mktemp("deepseek") / "target"
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                  kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                  max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
+    return path
+
+
+JOINT_MTP = ("head.kind=mtp", "head.ttt_steps=2", "capture.mode=online", "train.max_steps=3", "train.log_every=1",
+             "train.eval_every=1000", "head.lora={rank: 4, alpha: 8, heads_only_steps: 1, heads_ramp: constant, "
+             "target_modules: [q_b_proj, kv_b_proj, o_proj]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_tp2_ep2_joint_mtp_on_deepseek_v3_equals_one_process(tmp_path, deepseek_target):
+    """Joint MTP (the DeepSeek-V3 recipe's joint variant) on a target split by tensor and expert
+    parallelism: the same losses, step by step, as one process."""
+    runs = {}
+    for name, procs, layout in (("one", 1, ()), ("tp2ep2", 2, ("target.parallel.tp=2", "target.parallel.ep=2"))):
+        recipe = recipe_mod.load(MICRO, [f"out_dir={tmp_path / name}", f"target.model={deepseek_target}", *SMALL, *JOINT_MTP])
+        subprocess.run([sys.executable, *_cli("data", recipe, *JOINT_MTP)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+        _torchrun(procs, *_cli("train", recipe, *JOINT_MTP, *layout))
+        runs[name] = _steps(recipe)
+    assert sorted(runs["tp2ep2"]) == [1, 2, 3]
+    for step, row in runs["one"].items():
+        for key in ("loss", "head_loss", "kl", "grad_norm"):
+            if key in row:
+                assert runs["tp2ep2"][step][key] == pytest.approx(row[key], rel=1e-4, abs=1e-7), (step, key)
+
+
+def test_lora_on_fused_experts_is_refused_on_a_sharded_target():
+    from draftsmith.recipe import LoraJointConfig
+    from draftsmith.targets.lora import check_sharded_lora
+    deepseek = target_config("deepseek-ai/DeepSeek-V3")
+    with pytest.raises(ValueError, match=r"\['down_proj', 'gate_proj', 'up_proj'\] adapt the fused expert weights.*tp=2"):
+        check_sharded_lora(LoraJointConfig(), deepseek, Layout(tp=2, ep=2, world=2))
+    check_sharded_lora(LoraJointConfig(), deepseek, Layout())                         # one process: peft adapts them
+    check_sharded_lora(LoraJointConfig(target_modules=["q_b_proj", "kv_b_proj", "o_proj"]), deepseek, Layout(tp=2, world=2))
+    check_sharded_lora(LoraJointConfig(), target_config("meta-llama/Llama-3.3-70B-Instruct"), Layout(tp=8, world=8))
+
+
 @pytest.mark.slow
 @pytest.mark.parallel
 def test_tp2_runtime_decodes_like_one_process(micro_pipeline, tmp_path):

@@ -17,6 +17,24 @@ def lora_config(cfg: LoraJointConfig):
                       bias="none", task_type="CAUSAL_LM")
 
 
+# the MLP names peft maps onto a mixture-of-experts target's fused expert weights (target_parameters)
+EXPERT_MLP_NAMES = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3"}
+
+
+def check_sharded_lora(cfg: LoraJointConfig, config, layout) -> None:
+    """Before loading: peft adapts a mixture-of-experts target's fused expert weights for the MLP names,
+    and cannot shard those adapters over tensor- or expert-parallel ranks (its tensor-parallel adapters
+    are for linear layers only)."""
+    text = config.get_text_config()
+    experts = any(getattr(text, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    named = sorted(EXPERT_MLP_NAMES.intersection(cfg.target_modules))
+    if layout.sharded and experts and named:
+        keep = [m for m in cfg.target_modules if m not in EXPERT_MLP_NAMES]
+        raise ValueError(f"head.lora.target_modules: {named} adapt the fused expert weights of this mixture-of-experts "
+                         f"target, which peft cannot shard at target.parallel tp={layout.tp} ep={layout.ep}; adapt the "
+                         f"attention only (e.g. {keep or ['q_proj', 'k_proj', 'v_proj', 'o_proj']}), or train at tp 1")
+
+
 def attach_lora(model, cfg: LoraJointConfig, seed: int = 0):
     """The target wrapped with fresh adapters (B = 0: the adapted model starts equal to the target).
     A tensor-parallel target (transformers' DTensor shards) gets adapters sharded alike: peft shards

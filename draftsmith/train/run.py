@@ -56,11 +56,13 @@ def _init_from(head, path: str, target_config, d2t, t2d):
 def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int):
     """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module. A
     tensor-parallel target gets tensor-parallel adapters (peft), trained by the ranks of one replica."""
-    from draftsmith.targets.lora import attach_lora
+    from transformers import AutoConfig
+    from draftsmith.targets.lora import attach_lora, check_sharded_lora
     from draftsmith.targets.parallel import full, layout_for
     from draftsmith.train.joint import JointModel, heads_only_steps
     heads_only_steps(recipe.head.lora, total_steps)  # refused before the target loads
     layout = layout_for(recipe, "train")
+    check_sharded_lora(recipe.head.lora, AutoConfig.from_pretrained(recipe.target.model), layout)
     if recipe.capture.mode != "online":
         raise ValueError(f"head.lora is set (joint training of head and target): set capture.mode: online "
                          f"(got {recipe.capture.mode!r}); the target's features change as it trains")

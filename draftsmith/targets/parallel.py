@@ -92,6 +92,29 @@ def clip_grad_norm(parameters, max_norm: float):
     return total
 
 
+def replica_group(layout: Layout):
+    """The process group of this rank and its counterparts in the other replicas (the same tp coordinate):
+    what averages a gradient DDP cannot see (a tensor-parallel adapter's shard) over data parallelism.
+    Every rank creates every group, in the same order, as torch requires."""
+    import torch.distributed as dist
+    mine = None
+    for coordinate in range(layout.tp):
+        group = dist.new_group([coordinate + layout.tp * d for d in range(layout.dp)])
+        if layout.rank % layout.tp == coordinate:
+            mine = group
+    return mine
+
+
+def average_over_replicas(parameters, group, dp: int) -> None:
+    """Each gradient (a DTensor's local shard, or a plain tensor) averaged over the replicas in `group`."""
+    import torch.distributed as dist
+    for param in parameters:
+        if param.grad is not None:
+            local = param.grad.to_local() if is_sharded(param.grad) else param.grad
+            dist.all_reduce(local, group=group)
+            local.div_(dp)
+
+
 def whole_optimizer_state(optimizer) -> None:
     """Optimizer checkpoints hold whole tensors whatever the layout: state_dict() gathers the moments
     of DTensor parameters (a collective: accelerate calls it on every rank) and load_state_dict() cuts

@@ -50,13 +50,16 @@ class JointModel(nn.Module):
             self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name, _ in
                                                       [*peft_target.named_parameters(), *peft_target.named_buffers()]]
 
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.target.named_parameters() if p.requires_grad and "lora_" in n]
+
     def draft_config(self) -> dict:
         return self.head.draft_config()
 
     def param_groups(self, lr: float) -> list[dict]:
         """Heads at lr x multiplier from step 0; adapters at lr, starting after the heads-only stage."""
         heads = [p for p in self.head.parameters() if p.requires_grad]
-        adapters = [p for n, p in self.target.named_parameters() if p.requires_grad and "lora_" in n]
+        adapters = self.adapter_parameters()
         return [{"params": heads, "lr": lr * self.cfg.heads_lr_multiplier, "start_step": 0},
                 {"params": adapters, "lr": lr, "start_step": self.stage1_steps}]
 

@@ -83,10 +83,6 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     from transformers import AutoConfig
     from draftsmith.targets.parallel import layout_for
     layout = layout_for(recipe, "train")
-    if recipe.head.lora is not None and layout.sharded and layout.dp > 1:  # before any process group or weight
-        raise ValueError(f"target.parallel tp={layout.tp} ep={layout.ep}: joint training (head.lora) on a sharded target "
-                         f"runs one replica, but {layout.world} processes make dp {layout.dp}; launch tp = {layout.tp} "
-                         "processes (torchrun --nproc-per-node ...), or tp=1 for data-parallel replicas of a whole target")
     accelerator = accelerator or make_accelerator(recipe)
     dataset, data_manifest = load_train(recipe)
     target_config = AutoConfig.from_pretrained(recipe.target.model)

@@ -102,9 +102,12 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lr_lambda(self.total_steps, self.cfg.warmup_ratio, start)
                                                                   for start in starts])
         self.sharded = getattr(head, "sharded", False)  # adapters on a tensor-parallel target: DTensor shards
+        self.replica_group = None  # DDP syncs the head only; such adapters are averaged over replicas here
         if self.sharded:
-            from draftsmith.targets.parallel import whole_optimizer_state
+            from draftsmith.targets.parallel import replica_group, whole_optimizer_state
             whole_optimizer_state(optimizer)
+            if layout.dp > 1:
+                self.replica_group, self.adapters = replica_group(layout), head.adapter_parameters()
         self.model, self.optimizer, self.scheduler = accelerator.prepare(head, optimizer, scheduler)
         self.step = self.micro_step = self.tokens = 0
         self.log = MetricsLog(train_dir(recipe) / "metrics.jsonl", accelerator.is_main_process)
@@ -162,6 +165,9 @@ class Trainer:
         return metrics
 
     def clip_gradients(self):
+        if self.replica_group is not None:
+            from draftsmith.targets.parallel import average_over_replicas
+            average_over_replicas(self.adapters, self.replica_group, self.data_world)
         if self.sharded:
             from draftsmith.targets.parallel import clip_grad_norm
             return clip_grad_norm(self.model.parameters(), self.cfg.max_grad_norm)

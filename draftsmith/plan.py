@@ -25,7 +25,7 @@ HEADROOM = 0.9          # fraction of a device's memory a plan may fill (allocat
 HOST = "host_buffers"    # a stage part that is host RAM, not device memory (capture's store buffers)
 MFU = 0.4               # the throughput assumption behind the time and write-rate columns
 STAGES = ("regen", "capture", "train", "validate")
-ONE_REPLICA = ("regen", "validate", "economics")  # in-process regeneration too: more replicas = a server
+ONE_REPLICA = ("validate", "economics")
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,9 @@ def candidate_layouts(facts: TargetFacts, gpus: int, stage: str) -> list[Layout]
                 continue
             if facts.experts and tp > 1 and facts.experts % tp:
                 continue
-            # in-process regeneration, validation and economics run one replica: its tp * pp devices
-            out.append(Layout(tp, pp, tp if facts.experts and tp > 1 else 1, world=size if stage in ONE_REPLICA else gpus))
+            # validation and economics run one replica (its tp * pp devices), and so do pipeline stages
+            one = stage in ONE_REPLICA or pp > 1
+            out.append(Layout(tp, pp, tp if facts.experts and tp > 1 else 1, world=size if one else gpus))
     return out
 
 

@@ -277,14 +277,17 @@ def chatty_target(tmp_path_factory, micro_target) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parallel
-@pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_sharded_regeneration_gives_the_same_turns(tmp_path, chatty_target, layout):
-    """Batched generation on a target split over 2 processes, by tensor (tp 2) or by layers (pp 2)."""
+@pytest.mark.parametrize("procs,layout", [(2, "tp=2"), (2, "pp=2"), (4, "tp=2")], ids=["tp2", "pp2", "tp2xdp2"])
+def test_sharded_regeneration_gives_the_same_turns(tmp_path, chatty_target, procs, layout):
+    """Batched generation on a target split over 2 processes, by tensor (tp 2) or by layers (pp 2), and
+    on two tp 2 replicas (4 processes), each regenerating its share: every turn as one process has it,
+    each conversation once, the replicas' files folded into the one regeneration file."""
     regen = ("data.max_conversations=8", "data.regen.max_new_tokens=16", "data.regen.batch_size=4")
     one = micro_recipe(tmp_path / "one", chatty_target, *SMALL, *regen)
     run_data(one, regen=True)
-    sharded = micro_recipe(tmp_path / layout, chatty_target, *SMALL, *regen)
-    _torchrun(2, *_cli("data", sharded, f"target.parallel.{layout}=2", *regen, flags=("--regen",)))
+    sharded = micro_recipe(tmp_path / "sharded", chatty_target, *SMALL, *regen)
+    _torchrun(procs, *_cli("data", sharded, f"target.parallel.{layout}", *regen, flags=("--regen",)))
+    assert not list((sharded.run_dir / "data").glob("*.replica*.jsonl"))
     files = [sorted((r.run_dir / "data").glob("regen-*.jsonl")) for r in (one, sharded)]
     assert len(files[0]) == len(files[1]) == 1
     rows = [sorted((json.loads(line) for line in f[0].read_text().splitlines()), key=lambda x: x["id"]) for f in files]
@@ -292,6 +295,7 @@ def test_sharded_regeneration_gives_the_same_turns(tmp_path, chatty_target, layo
     assert manifests_finish(one) == {"length": 8}                             # 16 new tokens in every answer
     manifests = [artifacts.read_json(r.run_dir / "data" / artifacts.MANIFEST) for r in (one, sharded)]
     assert manifests[0]["num_tokens"] == manifests[1]["num_tokens"]
+    assert manifests[1]["regeneration"]["regenerated"] == 8 and manifests[1]["regeneration"]["failed"] == 0
 
 
 @pytest.mark.slow

@@ -49,3 +49,20 @@ def test_the_system_prompt_and_stop_strings_apply_to_what_the_target_is_asked(tm
     recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=6", "data.system_prompt=Be brief.")
     result, _ = regenerate(recipe, tokenizer, _convs(1)[:1], tmp_path / "regen.jsonl")
     assert result[0]["messages"][0]["role"] == "user"
+
+
+def test_a_killed_replicas_turns_are_reused_and_folded_in(tmp_path, micro_target, tokenizer):
+    """A data-parallel run killed before rank 0 folded the replicas' files: the next run (any layout)
+    reads them as done, regenerates only the rest, and leaves one file with every conversation once."""
+    recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=4", "data.regen.batch_size=2")
+    out = tmp_path / "regen.jsonl"
+    items = _convs(4)
+    first, _ = regenerate(recipe, tokenizer, items, out)
+    lines = out.read_text().splitlines()
+    out.write_text(lines[0] + "\n")                                            # replica 0 had written c0
+    out.with_name("regen.replica1.jsonl").write_text(lines[1] + "\n" + lines[2][:7])  # replica 1: c1, then torn
+    again, counts = regenerate(recipe, tokenizer, items, out)
+    assert _counts(counts) == {"input": 5, "regenerated": 2, "reused": 2, "skipped": 1, "failed": 0}
+    assert again == first
+    assert not list(tmp_path.glob("*.replica*.jsonl"))
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["c0", "c1", "c2", "c3"]

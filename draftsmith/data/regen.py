@@ -83,14 +83,12 @@ def _regenerate_batch(model, tokenizer, batch: list[dict], cfg, system_prompt) -
     return new, reasons
 
 
-def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict) -> None:
-    """Batched `generate` on the target; with `target.parallel` every rank of the one replica runs the
-    same batches on its shard (the logits are replicated) and only rank 0 writes."""
+def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict, layout) -> None:
+    """Batched `generate` on the target; with `target.parallel` every rank of a replica runs the same
+    batches on its shard (the logits are replicated), `todo` being that replica's share."""
     from draftsmith.targets import parallel
     from draftsmith.targets.loading import load_target, pick_device
     cfg = recipe.data.regen
-    layout = parallel.layout_for(recipe, "regen")
-    parallel.one_replica(layout, "in-process regeneration")
     device = parallel.rank_device(pick_device())
     model = load_target(recipe, device, layout, "regen")
     # transformers' pipeline stages decode a left-padded row wrongly once the KV cache is in use (the
@@ -112,6 +110,61 @@ def _in_process(recipe: Recipe, tokenizer, todo: list[dict], write, counts: dict
             write(record)
 
 
+def _replica_files(out_path: Path) -> list[Path]:
+    """Where the writers of replicas 1.. append (replica 0 appends to out_path itself); rank 0 folds them
+    into out_path at the end, and a killed run's are read back as done."""
+    return sorted(out_path.parent.glob(f"{out_path.stem}.replica*.jsonl"))
+
+
+def _replica_file(out_path: Path, replica: int) -> Path:
+    return out_path if replica == 0 else out_path.with_name(f"{out_path.stem}.replica{replica}.jsonl")
+
+
+def _appender(path: Path, on_record):
+    """(handle, write): records appended and flushed as they arrive, so a kill loses nothing finished."""
+    path.touch()
+    handle = open(path, "a", encoding="utf-8")
+    if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+        handle.write("\n")  # close a line torn by a kill, so new records start clean
+
+    def write(record: dict) -> None:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        on_record(record)
+    return handle, write
+
+
+def _fold_replicas(out_path: Path) -> None:
+    """Rank 0, after every replica finished: the replicas' records appended to out_path, their files removed."""
+    parts = _replica_files(out_path)
+    if not parts:
+        return
+    records = [r for part in parts for r in _load_done(part).values()]
+    handle, write = _appender(out_path, lambda record: None)
+    with handle:
+        for record in records:
+            write(record)
+    for part in parts:
+        part.unlink()
+
+
+def _gather_counts(counts: dict, layout):
+    """Rank 0 gets every replica writer's failures and finish reasons added to its own (after all of them
+    finished writing); other ranks get None."""
+    import torch.distributed as dist
+    if layout.world == 1:
+        return counts
+    mine = (counts["failures"], dict(counts["finish_reasons"])) if layout.is_writer and layout.replica else ([], {})
+    every = [None] * layout.world
+    dist.all_gather_object(every, mine)
+    if layout.rank != 0:
+        return None
+    for failures, reasons in every:
+        counts["failures"] += failures
+        counts["finish_reasons"].update(reasons)
+    return counts
+
+
 def _failures_file(out_path: Path) -> Path:
     return out_path.with_name(out_path.stem + ".failed.json")
 
@@ -121,34 +174,37 @@ def regenerate(recipe: Recipe, tokenizer, items: list[dict], out_path: Path) -> 
     failed ones keep their original answers, are counted and listed, and are retried on the next run."""
     from draftsmith.targets import parallel
     cfg = recipe.data.regen
-    if not cfg.server and parallel.world_and_rank()[0] > 1:
+    layout = None if cfg.server else parallel.layout_for(recipe, "regen")
+    if layout is not None and layout.world > 1:
         parallel.init_process_group()
-        parallel.barrier()  # every rank reads what is done before rank 0 appends anything
+        parallel.barrier()  # every rank reads what is done before any writer appends
     done = _load_done(out_path)
+    for part in _replica_files(out_path):
+        done.update(_load_done(part))
     todo = [c for c in items if "messages" in c and c["id"] not in done]
-    if not parallel.is_first_rank():  # a sharded target's other ranks: the same forwards, nothing written
-        if todo and not cfg.server:
-            _in_process(recipe, tokenizer, todo, lambda record: None, {"finish_reasons": Counter(), "failures": []})
+    if cfg.server and not parallel.is_first_rank():
         return items, {}
     counts = {"input": len(items), "regenerated": 0, "reused": 0, "skipped": sum(1 for c in items if "messages" not in c),
               "failed": 0, "finish_reasons": Counter(), "failures": [], "via": cfg.server or "in-process"}
     started = time.perf_counter()
-    out_path.touch()
-    with open(out_path, "a", encoding="utf-8") as handle:
-        if out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
-            handle.write("\n")  # close a line torn by a kill, so new records start clean
-
-        def write(record: dict) -> None:  # appended and flushed as it arrives: a kill loses nothing finished
-            handle.write(json.dumps(record) + "\n")
-            handle.flush()
-            done[record["id"]] = record
-            counts["regenerated"] += 1
-
-        if todo and cfg.server:
+    if cfg.server:
+        handle, write = _appender(out_path, lambda record: done.__setitem__(record["id"], record))
+        with handle:
             from draftsmith.data.regen_server import regenerate_through_server
             regenerate_through_server(recipe, todo, write, counts)
-        elif todo:
-            _in_process(recipe, tokenizer, todo, write, counts)
+    else:  # each replica its share; the first rank of each replica writes it, the others run the same forwards
+        mine = todo[layout.replica::layout.dp]
+        handle, write = (_appender(_replica_file(out_path, layout.replica), lambda record: None)
+                         if layout.is_writer else (None, lambda record: None))
+        if todo:  # every replica loads (sharded loading is collective over the world), even with an empty share
+            _in_process(recipe, tokenizer, mine, write, counts, layout)
+        if handle is not None:
+            handle.close()
+        if _gather_counts(counts, layout) is None:
+            return items, {}
+        _fold_replicas(out_path)
+        done = _load_done(out_path)
+    counts["regenerated"] = sum(1 for c in todo if c["id"] in done)
     counts["failed"] = len(counts["failures"])
     counts["reused"] = sum(1 for c in items if "messages" in c and c["id"] in done) - counts["regenerated"]
     counts["seconds"] = round(time.perf_counter() - started, 1)

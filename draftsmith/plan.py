@@ -175,7 +175,8 @@ def _layer_ids(recipe, facts: TargetFacts) -> list[int]:
 
 
 def candidate_layouts(facts: TargetFacts, gpus: int, stage: str) -> list[Layout]:
-    """Layouts in the order a plan prefers them: fewest devices per replica, then tp over pp."""
+    """Layouts in the order a plan prefers them: fewest devices per replica, tp over pp, pp only where no
+    tp layout fits."""
     out = []
     for size in range(1, gpus + 1):
         if gpus % size:
@@ -189,7 +190,7 @@ def candidate_layouts(facts: TargetFacts, gpus: int, stage: str) -> list[Layout]
             # validation and economics run one replica (its tp * pp devices), and so do pipeline stages
             one = stage in ONE_REPLICA or pp > 1
             out.append(Layout(tp, pp, tp if facts.experts and tp > 1 else 1, world=size if one else gpus))
-    return out
+    return sorted(out, key=lambda layout: layout.pp > 1)  # pipeline stages last: they regenerate one conversation at a time
 
 
 def smallest_fit(recipe, facts: TargetFacts, gpus: int, device_bytes: float, stage: str) -> tuple[Layout | None, dict]:
@@ -280,10 +281,13 @@ def make_plan(recipe, config, gpus: int, gpu_memory_gb: float, nodes: int = 1, g
         row = {"fits": layout is not None, "forwards": forwards(recipe, facts, stage, num_tokens, num_conversations)}
         if parts.pop("zero3", False):
             row["zero3"] = True
+        if layout is not None and stage == "regen" and layout.pp > 1:
+            row["forwards"] = (f"{recipe.data.regen.max_new_tokens + 1} per conversation, one at a time under pp "
+                               "(data/regen.py); a server (data.regen.server) batches them")
         if layout is not None:
             row |= {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp,
                     "per_device_gib": {k: float(_gib(v)) for k, v in parts.items()},
-                    "crosses_nodes": layout.tp * layout.pp > gpus // nodes}
+                    "crosses_nodes": layout.tp > gpus // nodes}
             if stage == "capture":  # a prefill-shaped forward: compute-bound, so a FLOP rate bounds it
                 tokens_per_s = layout.dp * gpu_tflops * 1e12 * MFU * layout.tp * layout.pp / (2 * facts.active_params)
                 row["tokens_per_s_at_mfu"] = round(tokens_per_s)

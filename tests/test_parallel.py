@@ -70,6 +70,16 @@ def _assert_same_store(ours: CaptureStore, reference: CaptureStore, rtol: float 
                 assert torch.equal(mine[key], value), (i, key)
 
 
+def _random_target(tmp_path_factory, micro_target, model_type: str, **config) -> Path:
+    """A target of `model_type` with random weights (seed 0) and the micro target's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = tmp_path_factory.mktemp(model_type) / "target"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, micro_target):
     """Data (40 conversations) and its capture in one process, fp32: what every sharded run must equal."""
@@ -378,17 +388,12 @@ def test_tp2_dp2_joint_training_equals_whole_target_replicas(reference, tmp_path
 def deepseek_target(tmp_path_factory, micro_target) -> Path:
     """A tiny DeepSeek-V3 (MLA attention, 4 routed experts + 1 shared, first layer dense; random weights)
     with the micro target's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    path = tmp_path_factory.mktemp("deepseek") / "target"
-    config = AutoConfig.for_model("deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-                                  kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                                  max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
-    return path
+    return _random_target(tmp_path_factory, micro_target, "deepseek_v3", vocab_size=512, hidden_size=64,
+                          intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                          n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+                          tie_word_embeddings=False)
 
 
 JOINT_MTP = ("head.kind=mtp", "head.ttt_steps=2", "capture.mode=online", "train.max_steps=3", "train.log_every=1",
@@ -453,14 +458,9 @@ def test_tp2_runtime_decodes_like_one_process(micro_pipeline, tmp_path):
 def wide_target(tmp_path_factory, micro_target) -> Path:
     """A random Llama of 200M parameters (800 MB in fp32) with the micro target's tokenizer: big enough
     that its weights and activations stand out of the interpreter's own memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    path = tmp_path_factory.mktemp("wide") / "target"
-    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                                  num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=512)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
-    return path
+    return _random_target(tmp_path_factory, micro_target, "llama", hidden_size=1024, intermediate_size=4096,
+                          num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
+                          max_position_embeddings=512)
 
 
 @pytest.mark.slow
@@ -491,16 +491,10 @@ def test_plan_capture_memory_agrees_with_measured_peak(tmp_path, wide_target):
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory, micro_target) -> Path:
     """A tiny Qwen3-MoE (4 experts, 2 per token, random weights) with the micro target's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    path = tmp_path_factory.mktemp("moe") / "target"
-    config = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  num_experts=4, num_experts_per_tok=2, vocab_size=512, tie_word_embeddings=False,
-                                  max_position_embeddings=512)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(micro_target).save_pretrained(path)
-    return path
+    return _random_target(tmp_path_factory, micro_target, "qwen3_moe", hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_experts=4, num_experts_per_tok=2, vocab_size=512, tie_word_embeddings=False,
+                          max_position_embeddings=512)
 
 
 @pytest.mark.slow

@@ -334,7 +334,7 @@ def _steps(recipe) -> dict[int, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parallel
-def test_tp2_joint_training_equals_one_process_and_resumes_on_either_layout(reference, tmp_path, micro_target):
+def test_tp2_joint_training_equals_one_process_and_resumes_in_one_process(reference, tmp_path, micro_target):
     """Medusa-2 (LoRA adapters on the target, KL self-distillation) at tp 2: peft shards the adapters as
     transformers shards the target. Same losses and gradient norms as one process, step by step through
     the heads-only stage into the joint one; a checkpoint written at tp 2 holds whole tensors, so one

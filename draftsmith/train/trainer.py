@@ -168,8 +168,9 @@ class Trainer:
         if self.replica_group is not None:
             from draftsmith.targets.parallel import average_over_replicas
             average_over_replicas(self.adapters, self.replica_group, self.data_world)
-        if self.sharded:
+        if self.sharded:  # torch's clip (accelerate's) would take the shards' norms as local ones
             from draftsmith.targets.parallel import clip_grad_norm
+            self.accelerator.unscale_gradients()  # fp16 loss scaling, as accelerate's clip does first
             return clip_grad_norm(self.model.parameters(), self.cfg.max_grad_norm)
         return self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
 
@@ -232,13 +233,12 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def head_tensors(self) -> dict:
-        """The trained tensors, whole on every rank (a tensor-parallel adapter's shards gathered: a collective,
-        so every rank calls this)."""
-        from draftsmith.targets.parallel import full
+        """The trained tensors, whole (a joint model's state_dict gathers tensor-parallel adapters: a
+        collective, so every rank calls this)."""
         state = self.accelerator.get_state_dict(self.model)
         unwrapped = self.accelerator.unwrap_model(self.model)
         keep = set(unwrapped.trainable_state())
-        return {k: full(v) for k, v in state.items() if k in keep}
+        return {k: v for k, v in state.items() if k in keep}
 
     def metadata(self) -> dict:
         unwrapped = self.accelerator.unwrap_model(self.model)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.targets.parallel import Layout
+from draftsmith.targets.parallel import Layout, num_experts
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -58,8 +58,7 @@ def target_facts(config, name: str = "") -> TargetFacts:
     text = config.get_text_config()
     model = _empty_model(config)
     params = sum(p.numel() for p in model.parameters())
-    experts = next((getattr(text, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                    if getattr(text, k, None)), 0)
+    experts = num_experts(config)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     per_tok = getattr(text, "num_experts_per_tok", 0) or 0
     active = params - expert_params + (expert_params * per_tok // experts if experts else 0)
@@ -118,8 +117,6 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
         parts["activations"] = batch * data.max_length * (8 * facts.hidden * b) + batch * facts.vocab * 4 * 2
     elif stage == "capture":
         parts["activations"] = recipe.capture.batch_tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
-        # host RAM, not the device's: a batch's features, converted to the store's dtype and compressed
-        host = recipe.capture.batch_tokens * store_bytes_per_token(recipe, facts) * 3
     elif stage in ("validate", "economics"):  # economics sizes its batches to the memory left (economics.memory_fraction)
         v = recipe.validate
         parts["kv_cache"] = (data.max_length + v.max_new_tokens + v.num_nodes) * kv_per_token
@@ -146,8 +143,8 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
     else:
         raise ValueError(f"plan: unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     parts["total"] = sum(parts.values())
-    if stage == "capture":
-        parts[HOST] = host
+    if stage == "capture":  # host RAM, not the device's: a batch's features, converted to the store's dtype and compressed
+        parts[HOST] = recipe.capture.batch_tokens * store_bytes_per_token(recipe, facts) * 3
     return parts
 
 

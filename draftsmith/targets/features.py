@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from draftsmith.targets.parallel import full
+
 CONVENTION = {
     "ours": "input-to-layer (HF hidden_states index)",
     "vllm": "same ids (aux_hidden_state_layers are input-to-layer)",
@@ -69,7 +71,7 @@ class FeatureExtractor:
             hidden = output[0] if isinstance(output, tuple) else output
             # a tensor-parallel target keeps the residual stream replicated; were it sharded (a DTensor),
             # the feature is gathered to the full tensor here, so every layout stores the same values
-            self._captured[k] = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
+            self._captured[k] = full(hidden)
         return store
 
     def _keep_final(self, _module, _inputs, output):

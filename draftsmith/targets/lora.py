@@ -25,10 +25,9 @@ def check_sharded_lora(cfg: LoraJointConfig, config, layout) -> None:
     """Before loading: peft adapts a mixture-of-experts target's fused expert weights for the MLP names,
     and cannot shard those adapters over tensor- or expert-parallel ranks (its tensor-parallel adapters
     are for linear layers only)."""
-    text = config.get_text_config()
-    experts = any(getattr(text, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    from draftsmith.targets.parallel import num_experts
     named = sorted(EXPERT_MLP_NAMES.intersection(cfg.target_modules))
-    if layout.sharded and experts and named:
+    if layout.sharded and num_experts(config) and named:
         keep = [m for m in cfg.target_modules if m not in EXPERT_MLP_NAMES]
         raise ValueError(f"head.lora.target_modules: {named} adapt the fused expert weights of this mixture-of-experts "
                          f"target, which peft cannot shard at target.parallel tp={layout.tp} ep={layout.ep}; adapt the "
@@ -59,7 +58,7 @@ def _draw_adapters(peft_model, seed: int) -> None:
     to the full width: peft leaves the local one, which transformers' rowwise input hook reads as
     the full width (the forward then fails on a reshape)."""
     import math
-    from torch.distributed.tensor import distribute_tensor
+    from draftsmith.targets.parallel import is_sharded, shard_like
     generator = torch.Generator().manual_seed(seed)
     for name, module in peft_model.named_modules():
         if not (isinstance(module, torch.nn.Linear) and ".lora_A." in f"{name}."):
@@ -68,9 +67,8 @@ def _draw_adapters(peft_model, seed: int) -> None:
         full = torch.empty(weight.shape, dtype=torch.float32)
         torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
-            if hasattr(weight, "placements"):
-                weight.to_local().copy_(distribute_tensor(full, weight.device_mesh, weight.placements,
-                                                          src_data_rank=None).to_local())
+            if is_sharded(weight):
+                weight.to_local().copy_(shard_like(full, weight).to_local())
                 module.in_features = weight.shape[1]
             else:
                 weight.copy_(full)

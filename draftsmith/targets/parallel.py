@@ -61,13 +61,21 @@ class Layout:
         return f"tp {self.tp} x pp {self.pp} (ep {self.ep}), dp {self.dp}: {self.world} process(es)"
 
 
+def is_sharded(tensor) -> bool:
+    """A DTensor: one rank's shard of a tensor-parallel (or expert-parallel) weight or activation."""
+    return hasattr(tensor, "full_tensor")
+
+
 def full(tensor):
     """A tensor-parallel weight (a DTensor shard) gathered to the full tensor; plain tensors as they are."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor
 
 
-def is_sharded(tensor) -> bool:
-    return hasattr(tensor, "full_tensor")
+def num_experts(config) -> int:
+    """Routed experts of a mixture-of-experts config (0 for a dense one), whatever the family calls them."""
+    text = config.get_text_config()
+    return next((getattr(text, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                 if getattr(text, k, None)), 0)
 
 
 def shard_like(value, param):
@@ -185,8 +193,7 @@ def check_config(layout: Layout, config, where: str = "target.parallel") -> None
         if value and layout.tp > 1 and value % layout.tp:
             raise ValueError(f"{where}: tp={layout.tp} does not divide the target's {key}={value}; "
                              f"choose a tp that does ({', '.join(str(t) for t in range(1, value + 1) if value % t == 0)})")
-    experts = next((getattr(text, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                    if getattr(text, k, None)), None)
+    experts = num_experts(config)
     if layout.ep > 1 and not experts:
         raise ValueError(f"{where}: ep={layout.ep} but the target has no experts (not a mixture-of-experts model); set ep=1")
     if layout.ep > 1 and experts % layout.ep:

@@ -53,16 +53,14 @@ def _init_from(head, path: str, target_config, d2t, t2d):
     return (state["d2t"], state["t2d"]) if "d2t" in state else (d2t, t2d)
 
 
-def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int):
+def _joint(recipe: Recipe, dataset, head, accelerator, total_steps: int, target_config, layout):
     """Medusa-2 / joint MTP: the target with LoRA adapters and the head, as one trained module. A
     tensor-parallel target gets tensor-parallel adapters (peft), trained by the ranks of one replica."""
-    from transformers import AutoConfig
     from draftsmith.targets.lora import attach_lora, check_sharded_lora
-    from draftsmith.targets.parallel import full, layout_for
+    from draftsmith.targets.parallel import full
     from draftsmith.train.joint import JointModel, heads_only_steps
     heads_only_steps(recipe.head.lora, total_steps)  # refused before the target loads
-    layout = layout_for(recipe, "train")
-    check_sharded_lora(recipe.head.lora, AutoConfig.from_pretrained(recipe.target.model), layout)
+    check_sharded_lora(recipe.head.lora, target_config, layout)
     if recipe.capture.mode != "online":
         raise ValueError(f"head.lora is set (joint training of head and target): set capture.mode: online "
                          f"(got {recipe.capture.mode!r}); the target's features change as it trains")
@@ -93,7 +91,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     if recipe.head.lora is not None:
         train_idx, _ = B.split_indices(len(dataset))
         source, joint, lm_head = _joint(recipe, dataset, head, accelerator,
-                                        _planned_steps(recipe, len(train_idx), layout.dp))
+                                        _planned_steps(recipe, len(train_idx), layout.dp), target_config, layout)
         return _assemble(recipe, joint, source, None, lm_head, accelerator, text_config.vocab_size,
                          {"draft_vocab_size": text_config.vocab_size, "coverage": 1.0})
     source, embed, lm_head, completer = _sources(recipe, dataset, data_manifest, layer_ids, accelerator)

@@ -19,7 +19,8 @@ def main(out: str, recipe_path: str, *overrides: str) -> None:
     from draftsmith.heads.registry import head_spec
     from draftsmith.runtime.generate import plain_generate, speculative_generate
     from draftsmith.runtime.target import TargetRunner
-    from draftsmith.runtime.validate import load_target_and_head, run_validate, validation_prompts
+    from draftsmith.runtime.loading import load_target_and_head, validation_prompts
+    from draftsmith.runtime.validate import run_validate
     from draftsmith.runtime.verify import SamplingConfig
     from draftsmith.targets import parallel
     recipe = recipe_mod.load(recipe_path, list(overrides))

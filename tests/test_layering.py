@@ -9,7 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "draftsmith"
 LAYERS = {"recipe": 1, "artifacts": 1, "targets": 2, "data": 3, "heads": 3, "train": 4, "runtime": 4,
-          "stages": 5, "cli": 5, "plan": 5, "bench": 5, "bench_regen": 5, "bench_drafting": 5, "bench_parallel": 5}
+          "stages": 5, "cli": 5, "plan": 5, "bench": 5}
 KINDS = {p.name for p in (PACKAGE / "heads").iterdir() if (p / "__init__.py").exists()}  # heads/<kind>/ packages;
 # the modules directly in heads/ (registry, drafting, tree, family, ttt, ...) are shared by every kind
 
@@ -78,6 +78,9 @@ def test_no_module_imports_upward_or_sideways():
     ("draftsmith.train.run", "draftsmith.data.capture", True),
     ("draftsmith.stages", "draftsmith.runtime.validate", True),
     ("draftsmith.recipe", "draftsmith.artifacts", True),
+    ("draftsmith.runtime.loading", "draftsmith.bench.common", False),
+    ("draftsmith.bench.long_context", "draftsmith.train.batches", True),
+    ("draftsmith.heads.objective", "draftsmith.train.batches", False),
 ])
 def test_the_rule_itself(importer, imported, ok):
     assert (violation(importer, imported) is None) == ok
@@ -98,3 +101,49 @@ PYTHON_GITIGNORE_DIRS = {"target", "build", "dist", "develop-eggs", "downloads",
 def test_no_package_folder_is_ignored_by_the_python_gitignore_template():
     folders = {p.name for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"} | {PACKAGE.name}
     assert not folders & PYTHON_GITIGNORE_DIRS
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the draftsmith modules it imports (names that are functions or classes dropped)."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {module: {name for name in imports_of(path.read_text(), module) if name in paths and name != module}
+            for module, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles, each as the path that closes it (packages importing their own __init__ excluded)."""
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_no_import_circles():
+    assert cycles(import_graph()) == []
+
+
+def test_a_circle_is_seen():
+    assert cycles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}}) == [["a.x", "a.y", "a.z", "a.x"]]
+
+
+def test_economics_and_the_benches_reach_validation_only_for_run_validate():
+    """Loading a target with its head, prompts and EOS set is runtime/loading.py; validate.py is validation."""
+    assert "draftsmith.runtime.validate" not in import_graph()["draftsmith.runtime.sweep"]
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "draftsmith.runtime.validate":
+                names = {alias.name for alias in node.names}
+                assert names <= {"run_validate", "validate_dir", "validation_is_current"}, f"{path}: {names}"

@@ -105,7 +105,7 @@ def test_one_step_loss_is_the_module_written_out():
 def test_a_fresh_module_on_deepseek_v3_is_finite_and_trains():
     """A standalone DeepSeek-V3 decoder layer leaves its packed experts as torch.empty (NaN or ~1e35): every
     parameter of a fresh MTP block is set explicitly, so the first loss and its gradients are finite."""
-    from draftsmith.runtime.validate import non_finite_tensors
+    from draftsmith.runtime.loading import non_finite_tensors
     model = _target(deepseek_v3())
     for seed in range(3):   # torch.empty's garbage differs run to run: several fresh heads
         torch.manual_seed(seed)

@@ -41,7 +41,7 @@ def test_regenerate_counts_and_resume(tmp_path, micro_target, tokenizer):
 def test_the_system_prompt_and_stop_strings_apply_to_what_the_target_is_asked(tmp_path, micro_target, tokenizer):
     """The target sees the recipe's system prompt (as the data stage renders it); answers end before a stop
     string, which is not kept (as servers return it); the stored record has no added system turn."""
-    from draftsmith.data.regen import cut_at_stop, with_system
+    from draftsmith.data.conversations import cut_at_stop, with_system
     messages = [{"role": "user", "content": "hi"}]
     assert with_system(messages, "Be brief.") == [{"role": "system", "content": "Be brief."}] + messages
     assert with_system([{"role": "system", "content": "own"}] + messages, "Be brief.")[0]["content"] == "own"

@@ -124,6 +124,19 @@ def _read_hf(path: str):
         yield f"{path}[{index}]", item
 
 
+def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """What the target is shown: the recipe's system prompt first (as the data stage renders it)."""
+    if system_prompt and (not messages or messages[0]["role"] != "system"):
+        return [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The answer up to the first stop string, which is not kept (as the servers return it)."""
+    cuts = [text.index(s) for s in stop if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
     """The one place conversations become text: the tokenizer's chat template, with the recipe's
     `data.chat_template_kwargs` (e.g. enable_thinking) that `load_tokenizer` attached."""

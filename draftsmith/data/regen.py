@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftsmith.data.conversations import cut_at_stop, with_system
 from draftsmith.recipe import Recipe
 
 MAX_LISTED_FAILURES = 50  # in the manifest; the whole list goes to <regen file>.failed.json
@@ -31,19 +32,6 @@ def _load_done(path: Path) -> dict[str, dict]:
                 continue  # a line cut by a kill; that conversation is redone
             done[record["id"]] = record
     return done
-
-
-def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
-    """What the target is shown: the recipe's system prompt first (as the data stage renders it)."""
-    if system_prompt and (not messages or messages[0]["role"] != "system"):
-        return [{"role": "system", "content": system_prompt}] + messages
-    return messages
-
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """The answer up to the first stop string, which is not kept (as the servers return it)."""
-    cuts = [text.index(s) for s in stop if s in text]
-    return text[:min(cuts)] if cuts else text
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from pathlib import PurePath
 
 from tqdm import tqdm
 
-from draftsmith.data.regen import cut_at_stop, with_system
+from draftsmith.data.conversations import cut_at_stop, with_system
 from draftsmith.recipe import Recipe
 
 PROBE_RETRIES = 2  # the first contact fails fast: a wrong URL should not wait out the job's retries

@@ -8,7 +8,6 @@ ratio c and the expected walltime factor tau / (gamma * c + 1)."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,8 +21,10 @@ from draftsmith.heads.registry import head_spec
 from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.economics import low_batch_screen
 from draftsmith.runtime.generate import plain_generate, speculative_generate
-from draftsmith.heads.loading import load_head
+from draftsmith.runtime.loading import (
+    eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.timing import draft_step_cost, hf_generate_seconds
 from draftsmith.runtime.verify import SamplingConfig
 from draftsmith.targets.parallel import is_first_rank
 
@@ -32,101 +33,16 @@ def validate_dir(recipe: Recipe) -> Path:
     return recipe.run_dir / "validate"
 
 
-def _head_sha(head: Path) -> str | None:
-    weights = head / "model.safetensors"
-    return artifacts.sha256_file(weights) if weights.exists() else None
-
-
 def validation_is_current(recipe: Recipe) -> bool:
     path = validate_dir(recipe) / "validation.json"
     if not path.exists():
         return False
     data = json.loads(path.read_text())
     head = recipe.run_dir / "head"
-    return data.get("head_sha256") == _head_sha(head) and data.get("validate_hash") == recipe.section_hash("validate")
+    return data.get("head_sha256") == head_sha(head) and data.get("validate_hash") == recipe.section_hash("validate")
 
 
 LENGTH_BUCKETS = (128, 512)  # input-length buckets (tokens) of the low-batch screen
-
-
-def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
-    """A conversation up to its first assistant turn (or a whole user-only one), rendered with the
-    chat template and a generation prompt; None when it has no user turn to prompt with."""
-    from draftsmith.data.conversations import render
-    messages = conv["messages"]
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    messages = messages[:first]
-    if not any(m["role"] == "user" for m in messages):
-        return None
-    if recipe.data.system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
-    return tokenizer(render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
-
-
-def prompts_from_file(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
-    """`validate.prompts`: JSONL lines in the data stage's formats ({"messages"}, {"conversations"}) or
-    {"prompt": "..."} (one user turn), each with an optional "domain" (default "default")."""
-    from draftsmith.data.conversations import DataError, normalize
-    path = Path(recipe.validate.prompts)
-    if not path.is_file():
-        raise ValueError(f"validate.prompts={str(path)!r}: no such file (expected a JSONL of conversations or prompts)")
-    out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            conv = {"messages": [{"role": "user", "content": record["prompt"]}]}
-        else:
-            try:
-                conv = normalize(record, where)
-            except DataError as exc:
-                raise ValueError(f"{exc} (or give a 'prompt' string)") from None
-            if "messages" not in conv:
-                raise ValueError(f"{where}: a plain 'text' record has no user turn; give 'prompt' or 'messages'")
-        ids = _prompt_ids(recipe, tokenizer, conv)
-        if ids is None:
-            raise ValueError(f"{where}: no user turn to prompt with")
-        out.append((torch.tensor(ids), str(record.get("domain", "default"))))
-        if len(out) >= limit:
-            break
-    if not out:
-        raise ValueError(f"validate.prompts={str(path)!r} holds no prompts")
-    return out
-
-
-def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
-    """Held-out conversations up to their first assistant turn, rendered with the chat template
-    (or `validate.prompts` when set)."""
-    from draftsmith.data.prepare import load_heldout
-    if recipe.validate.prompts:
-        return prompts_from_file(recipe, tokenizer, limit)
-    prompts = []
-    for conv in load_heldout(recipe):
-        if not any(m["role"] == "assistant" for m in conv.get("messages", [])):
-            continue  # a held-out prompt is a conversation's turns before its first answer
-        ids = _prompt_ids(recipe, tokenizer, conv)
-        if ids is not None:
-            prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
-        if len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with "
-                         f"(data.heldout_fraction={recipe.data.heldout_fraction}): set validate.prompts to a JSONL of "
-                         "prompts, raise data.heldout_fraction and rerun `draftsmith data`, or give sources with more conversations")
-    return prompts
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, list) else [source])
-    return ids
 
 
 def acceptance_stats(accept_lengths: list[int], depth: int) -> dict:
@@ -140,55 +56,6 @@ def acceptance_stats(accept_lengths: list[int], depth: int) -> dict:
         alpha.append(passed / reached if reached else 0.0)
     return {"tau": sum(a + 1 for a in accept_lengths) / rounds, "num_rounds": len(accept_lengths),
             "acceptance_per_depth": alpha, "accept_length_histogram": {str(k): counts.get(k, 0) for k in range(depth + 1)}}
-
-
-def _hf_generate_seconds(model, prompt: torch.Tensor, num_tokens: int) -> float:
-    ids = prompt[None].to(model.device)
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                   do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
-    return time.perf_counter() - start
-
-
-def _draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> float:
-    """Seconds of one draft expansion step over the seconds of one plain target decode step."""
-    target.reset()
-    drafter.reset()
-    _, features, _ = target.prefill(prompt)
-    drafter.extend(prompt[1:], features[:-1])
-    drafter.draft_tree(prompt[-1])  # warm-up: a baseline's first draft reads the whole prompt
-    start = time.perf_counter()
-    for _ in range(repeats):
-        drafter.draft_tree(prompt[-1])
-    per_draft_step = (time.perf_counter() - start) / repeats / max(drafter.tree_cfg.depth, 1)
-    one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
-    zero = torch.zeros(1, dtype=torch.long, device=target.device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        target.forward(prompt[-1:], zero, one)
-    return per_draft_step / ((time.perf_counter() - start) / repeats)
-
-
-def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validate"):
-    """(target, tokenizer, head on the target's device and dtype, head metadata, head path) on
-    `validate.device`; the head must have been trained for this target."""
-    from draftsmith.targets import parallel
-    from draftsmith.targets.loading import load_target, load_tokenizer, pick_device
-    layout = parallel.layout_for(recipe, stage)
-    parallel.one_replica(layout, stage)
-    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
-    if layout.sharded:
-        device = parallel.rank_device(device)
-    torch.manual_seed(recipe.seed)
-    model, tokenizer = load_target(recipe, device, layout, stage), load_tokenizer(recipe)
-    head_path = Path(head) if head else recipe.run_dir / "head"
-    draft_head, meta = load_head(head_path, model.config, parallel.full(model.get_input_embeddings().weight),
-                                 parallel.full(model.get_output_embeddings().weight))
-    if layout.sharded and draft_head.config.get("draftsmith", {}).get("joint"):
-        raise ValueError(f"target.parallel tp={layout.tp}: {head_path} was trained jointly with LoRA adapters on the "
-                         "target, which this release merges on a whole target only; validate it at tp=1")
-    _check_target(meta, model, recipe)
-    return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
 
 
 def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
@@ -223,7 +90,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
         result["calibration"] = calibration
     if drift:
         result["drift"] = drift
-    result.update(head=str(head_path), head_sha256=_head_sha(head_path), head_format=meta.get("source_format"),
+    result.update(head=str(head_path), head_sha256=head_sha(head_path), head_format=meta.get("source_format"),
                   target=recipe.target.model, device=str(device), dtype=str(model.dtype),
                   validate_hash=recipe.section_hash("validate"), tree=vars(drafter.tree_cfg),
                   training=meta.get("final_metrics"), layer_ids=layer_ids, kind=draft_head.kind)
@@ -235,22 +102,6 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
         write_report(out_dir, result)
     return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
         "report": str(out_dir / "report.md")}
-
-
-def non_finite_tensors(module) -> list[str]:
-    """Names of the head's tensors holding NaN or inf: verification stays lossless with such a head
-    (tau 1), so exactness alone would pass it."""
-    return [name for name, tensor in module.state_dict().items()
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
-
-
-def _check_target(meta: dict, model, recipe: Recipe) -> None:
-    vocab = model.config.get_text_config().vocab_size
-    if meta["draft_config"]["vocab_size"] != vocab:
-        raise ValueError(f"head vocab_size {meta['draft_config']['vocab_size']} does not match the target's {vocab} "
-                         f"({recipe.target.model}); this head was trained for another target")
-    if meta.get("target_id") and meta["target_id"] != recipe.target.model:
-        print(f"warning: head was trained for {meta['target_id']}, validating against {recipe.target.model}", flush=True)
 
 
 def _calibrate(drafter, runner, prompts, max_new_tokens: int, eos) -> dict:
@@ -299,7 +150,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     for i, prompt in enumerate(bar):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
-        hf_s += _hf_generate_seconds(model, prompt, len(base.tokens))
+        hf_s += hf_generate_seconds(model, prompt, len(base.tokens))
         plain_s, spec_s = plain_s + base.seconds, spec_s + spec.seconds
         plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(base.tokens)
         accept += spec.accept_lengths
@@ -312,7 +163,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
                         tau=f"{sum(a + 1 for a in accept) / max(len(accept), 1):.2f}", exact=f"{exact}/{i + 1}")
     bar.close()
     stats = acceptance_stats(accept, cfg.depth)
-    c = _draft_step_cost(drafter, runner, prompts[0])
+    c = draft_step_cost(drafter, runner, prompts[0])
     result = {**stats, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "exact_match": exact == len(prompts), "num_exact": exact, "mismatched_prompts": mismatches,
               "plain_tokens_per_s": plain_tokens / plain_s, "spec_tokens_per_s": spec_tokens / spec_s,

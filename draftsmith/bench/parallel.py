@@ -1,6 +1,6 @@
 """`make bench` section `parallel`: capture and validation throughput of the demo target at tp 1 (one
 process) and tp 2 (two processes under torchrun, gloo on CPU), so the cost of the collectives shows as a
-ratio. Each launch runs `python -m draftsmith.bench_parallel OUT RECIPE key=value...`: the capture
+ratio. Each launch runs `python -m draftsmith.bench.parallel OUT RECIPE key=value...`: the capture
 path (FeatureExtractor over the demo's batches) and greedy speculative decoding in the runtime, timed
 after one warm-up; rank 0 writes the figures."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _decode_tokens_per_s(recipe, model, draft_head, tokenizer) -> dict:
     from draftsmith.heads.registry import head_spec
     from draftsmith.runtime.generate import plain_generate, speculative_generate
     from draftsmith.runtime.target import TargetRunner
-    from draftsmith.runtime.validate import eos_ids, validation_prompts
+    from draftsmith.runtime.loading import eos_ids, validation_prompts
     from draftsmith.runtime.verify import SamplingConfig
     cfg = recipe.validate
     prompts = [p for p, _ in validation_prompts(recipe, tokenizer, 8)]
@@ -62,7 +62,7 @@ def _decode_tokens_per_s(recipe, model, draft_head, tokenizer) -> dict:
 
 def worker(out: str, recipe_path: str, *overrides: str) -> None:
     from draftsmith import recipe as recipe_mod
-    from draftsmith.runtime.validate import load_target_and_head
+    from draftsmith.runtime.loading import load_target_and_head
     from draftsmith.targets import parallel
     recipe = recipe_mod.load(recipe_path, list(overrides))
     model, tokenizer, draft_head, _, _ = load_target_and_head(recipe, None)
@@ -74,7 +74,7 @@ def worker(out: str, recipe_path: str, *overrides: str) -> None:
 def _launch(tp: int, recipe_path: str, overrides: list[str], out: Path) -> dict:
     env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // tp))}
     head = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
-    cmd = head + ["-m", "draftsmith.bench_parallel", str(out), recipe_path, *overrides, f"target.parallel.tp={tp}"]
+    cmd = head + ["-m", "draftsmith.bench.parallel", str(out), recipe_path, *overrides, f"target.parallel.tp={tp}"]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3600)
     return json.loads(out.read_text())
 

@@ -81,7 +81,7 @@ def _time_rounds(drafters_and_rows, roots, prompts, features, k: int, num_rounds
 @torch.no_grad()
 def bench_drafting(recipe, sizes=SIZES, k: int = 4, num_rounds: int = 6, row_by_row_max: int = 64) -> dict:
     from draftsmith.runtime.target import TargetRunner
-    from draftsmith.runtime.validate import validation_prompts
+    from draftsmith.runtime.loading import validation_prompts
     from draftsmith.targets.loading import load_target, load_tokenizer
     model, tokenizer = load_target(recipe), load_tokenizer(recipe)
     prompts = [p.to(model.device) for p, _ in validation_prompts(recipe, tokenizer, max(sizes))]

@@ -1,0 +1,127 @@
+"""`make bench`: the numbers the issues ask for, measured on the demo target, written to BENCHMARKS.md.
+
+1. capture throughput (tokens/s) against a plain target forward over the same batches;
+2. store bytes per token against SpecForge's layout (4·H bf16 values per token) for the full and the
+   compact (default) layouts, bf16 and fp8, and each layout's effect on the trained head's simulated
+   acceptance and on training speed (the compact store rebuilds two features at train time);
+3. training tokens/s and peak memory for TTT k = 1, 3, 7;
+4. the runtime: tau and speedups from `draftsmith validate` on held-out prompts;
+5. head kinds side by side at equal training wall-clock (EAGLE-2 with k = 1 and its TTT default, and
+   EAGLE-3): tau, speedup, trainable parameters, training tokens/s, bytes per token stored;
+6. Medusa-1, Medusa-2 and EAGLE-3 demos: tau, speedup, per-head accuracy, sampled and typical
+   acceptance, Medusa-2's drift from the original target;
+7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
+(drafting.py); 9. regeneration in process vs through a server (regen.py); 10. capture and decoding at
+tp 1 and tp 2 (parallel.py).
+`--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from draftsmith import recipe as recipe_mod
+from draftsmith.bench.common import machine
+from draftsmith.bench.drafting import bench_drafting, render_drafting
+from draftsmith.bench.economics import bench_economics, render_economics
+from draftsmith.bench.heads import MTP_RUNS, bench_heads, bench_medusa, render_heads
+from draftsmith.bench.parallel import bench_parallel, render_parallel
+from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
+from draftsmith.bench.regen import bench_regen, render_regen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith.bench")
+    parser.add_argument("--recipe", default="recipes/demo/stdlib-code-eagle3.yaml")
+    parser.add_argument("--out", default="BENCHMARKS.md")
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--layout-steps", type=int, default=300)
+    parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated subset to re-measure; the others are kept from the existing .json")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    from draftsmith import stages
+    recipe = recipe_mod.load(args.recipe, args.overrides)
+    print(stages.run_all(recipe), flush=True)  # the pipeline as `draftsmith run` runs it (stale stages redone)
+    sections = set(args.sections.split(","))
+    json_path = Path(args.out).with_suffix(".json")
+    results = json.loads(json_path.read_text()) if json_path.exists() and sections != set(SECTIONS) else {}
+    results.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
+    if sections - {"medusa", "mtp"}:  # these sections run their own demo recipes
+        results["recipe"] = args.recipe
+    measure = {"capture": lambda: bench_capture(args.recipe, args.overrides),
+               "train": lambda: {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
+               "layouts": lambda: bench_layouts(args.recipe, args.overrides, args.layout_steps),
+               "runtime": lambda: json.loads((recipe.run_dir / "validate" / "validation.json").read_text()),
+               "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds),
+               "medusa": lambda: bench_medusa(args.overrides),
+               "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS),
+               "economics": lambda: bench_economics(recipe),
+               "drafting": lambda: bench_drafting(recipe),
+               "regen": lambda: bench_regen(recipe),
+               "parallel": lambda: bench_parallel(args.recipe, args.overrides)}
+    for section in SECTIONS:
+        if section in sections:
+            results[section] = measure[section]()
+            results.setdefault("measured", {})[section] = f"{time.strftime('%Y-%m-%d')}, {machine()}"
+    if "layouts" in sections:
+        results["layout_steps"] = args.layout_steps
+    json_path.write_text(json.dumps(results, indent=2, default=str))
+    Path(args.out).write_text(render(results))
+    print(render(results))
+    return 0
+
+
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel"]
+
+def render(r: dict) -> str:
+    lines = ["# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
+             f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
+             "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
+    return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
+                     render_regen(r) + render_parallel(r) + _shortfalls(r))
+
+
+def _provenance(r: dict) -> list[str]:
+    measured = r.get("measured") or {}
+    if not measured:
+        return []
+    lines = ["Sections measured separately (a section without a line here predates per-section records, and was "
+             "measured with the previous embedded target on a machine with bf16 units):", ""]
+    return lines + [f"- {section}: {when}" for section, when in measured.items()] + [""]
+
+
+
+def _shortfalls(r: dict) -> list[str]:
+    """Goals not reached, with the measured figure and the reason."""
+    cap, rt, out = r["capture"], r["runtime"], []
+    bf16, fp8 = cap["compact-bf16"]["ratio_vs_specforge"], cap["compact-fp8"]["ratio_vs_specforge"]
+    if bf16 > 0.5 or fp8 > 0.25:
+        out.append(f"- Store size: {bf16:.2f}x (bf16) and {fp8:.2f}x (fp8) of SpecForge's bytes, goals 0.5x / 0.25x.")
+    if cap["compact-bf16"]["ratio_vs_plain_forward"] < 0.9:
+        out.append(f"- Capture speed: {cap['compact-bf16']['ratio_vs_plain_forward']:.2f}x a plain forward, goal 0.9x.")
+    if rt["speedup_vs_hf_generate"] < 2.0:
+        out.append(f"- Speedup over HF generate: {rt['speedup_vs_hf_generate']:.2f}x, goal 2x. On 2 CPU cores the 2M-parameter "
+                   "demo target is overhead-bound: HF generate (dynamic cache) runs at the speed of our static-cache loop "
+                   f"({rt['hf_generate_tokens_per_s']:.0f} vs {rt['plain_tokens_per_s']:.0f} tokens/s; ours attends over the "
+                   "whole preallocated cache), a verify forward costs "
+                   "about one decode step per tree node (compute-bound CPU), and one draft layer costs "
+                   f"{rt['draft_to_target_cost_c']:.2f} of an 8-layer target step; on a real target c is ~1/N_layers.")
+    over = {name: row["batched_ratio"]["16"] for name, row in (r.get("drafting") or {}).get("drafters", {}).items()
+            if row["batched_ratio"].get("16", 0) > 3.0}
+    if over:
+        out.append("- Batched drafting, a round at B = 16 over one at B = 1 (goal 3x): " + ", ".join(
+            f"{name} {ratio:.2f}x" for name, ratio in over.items()) + ". MTP's draft step runs the target's own "
+            "layer (MLP included) and the full-vocabulary lm_head, whose CPU cost grows with the rows; n-gram lookup "
+            "runs per row on the host (a fraction of a millisecond per row), as the issue allows.")
+    if rt["speedup_vs_plain"] < 1.5 or rt["tau"] < 2.5:
+        out.append(f"- Runtime: tau {rt['tau']:.2f} (goal 2.5), {rt['speedup_vs_plain']:.2f}x over plain decoding (goal 1.5x).")
+    return ["## Goals not reached", ""] + out + [""] if out else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

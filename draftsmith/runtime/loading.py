@@ -1,0 +1,136 @@
+"""What every runtime entry point (validate, economics, drift, the benches) starts from: the target with its
+trained head on the validation device, the prompts (held-out conversations or `validate.prompts`), the
+EOS set, and the checks a loaded head must pass."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftsmith import artifacts
+from draftsmith.heads.loading import load_head
+from draftsmith.recipe import Recipe
+
+
+def head_sha(head: Path) -> str | None:
+    weights = head / "model.safetensors"
+    return artifacts.sha256_file(weights) if weights.exists() else None
+
+
+def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
+    """A conversation up to its first assistant turn (or a whole user-only one), rendered with the
+    chat template and a generation prompt; None when it has no user turn to prompt with."""
+    from draftsmith.data.conversations import render
+    messages = conv["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    messages = messages[:first]
+    if not any(m["role"] == "user" for m in messages):
+        return None
+    if recipe.data.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
+    return tokenizer(render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def prompts_from_file(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
+    """`validate.prompts`: JSONL lines in the data stage's formats ({"messages"}, {"conversations"}) or
+    {"prompt": "..."} (one user turn), each with an optional "domain" (default "default")."""
+    from draftsmith.data.conversations import DataError, normalize
+    path = Path(recipe.validate.prompts)
+    if not path.is_file():
+        raise ValueError(f"validate.prompts={str(path)!r}: no such file (expected a JSONL of conversations or prompts)")
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            conv = {"messages": [{"role": "user", "content": record["prompt"]}]}
+        else:
+            try:
+                conv = normalize(record, where)
+            except DataError as exc:
+                raise ValueError(f"{exc} (or give a 'prompt' string)") from None
+            if "messages" not in conv:
+                raise ValueError(f"{where}: a plain 'text' record has no user turn; give 'prompt' or 'messages'")
+        ids = _prompt_ids(recipe, tokenizer, conv)
+        if ids is None:
+            raise ValueError(f"{where}: no user turn to prompt with")
+        out.append((torch.tensor(ids), str(record.get("domain", "default"))))
+        if len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"validate.prompts={str(path)!r} holds no prompts")
+    return out
+
+
+def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
+    """Held-out conversations up to their first assistant turn, rendered with the chat template
+    (or `validate.prompts` when set)."""
+    from draftsmith.data.prepare import load_heldout
+    if recipe.validate.prompts:
+        return prompts_from_file(recipe, tokenizer, limit)
+    prompts = []
+    for conv in load_heldout(recipe):
+        if not any(m["role"] == "assistant" for m in conv.get("messages", [])):
+            continue  # a held-out prompt is a conversation's turns before its first answer
+        ids = _prompt_ids(recipe, tokenizer, conv)
+        if ids is not None:
+            prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{recipe.run_dir}/data/heldout.jsonl has no conversation with a user turn to prompt with "
+                         f"(data.heldout_fraction={recipe.data.heldout_fraction}): set validate.prompts to a JSONL of "
+                         "prompts, raise data.heldout_fraction and rerun `draftsmith data`, or give sources with more conversations")
+    return prompts
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids
+
+
+def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validate"):
+    """(target, tokenizer, head on the target's device and dtype, head metadata, head path) on
+    `validate.device`; the head must have been trained for this target."""
+    from draftsmith.targets import parallel
+    from draftsmith.targets.loading import load_target, load_tokenizer, pick_device
+    layout = parallel.layout_for(recipe, stage)
+    parallel.one_replica(layout, stage)
+    device = pick_device() if recipe.validate.device == "auto" else torch.device(recipe.validate.device)
+    if layout.sharded:
+        device = parallel.rank_device(device)
+    torch.manual_seed(recipe.seed)
+    model, tokenizer = load_target(recipe, device, layout, stage), load_tokenizer(recipe)
+    head_path = Path(head) if head else recipe.run_dir / "head"
+    draft_head, meta = load_head(head_path, model.config, parallel.full(model.get_input_embeddings().weight),
+                                 parallel.full(model.get_output_embeddings().weight))
+    if layout.sharded and draft_head.config.get("draftsmith", {}).get("joint"):
+        raise ValueError(f"target.parallel tp={layout.tp}: {head_path} was trained jointly with LoRA adapters on the "
+                         "target, which this release merges on a whole target only; validate it at tp=1")
+    _check_target(meta, model, recipe)
+    return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
+
+
+def non_finite_tensors(module) -> list[str]:
+    """Names of the head's tensors holding NaN or inf: verification stays lossless with such a head
+    (tau 1), so exactness alone would pass it."""
+    return [name for name, tensor in module.state_dict().items()
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+
+
+def _check_target(meta: dict, model, recipe: Recipe) -> None:
+    vocab = model.config.get_text_config().vocab_size
+    if meta["draft_config"]["vocab_size"] != vocab:
+        raise ValueError(f"head vocab_size {meta['draft_config']['vocab_size']} does not match the target's {vocab} "
+                         f"({recipe.target.model}); this head was trained for another target")
+    if meta.get("target_id") and meta["target_id"] != recipe.target.model:
+        print(f"warning: head was trained for {meta['target_id']}, validating against {recipe.target.model}", flush=True)

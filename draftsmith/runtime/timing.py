@@ -1,0 +1,34 @@
+"""Latencies the runtime reports: one draft step against one plain target decode step (the cost ratio c),
+and HF `generate` for the same number of tokens."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def hf_generate_seconds(model, prompt: torch.Tensor, num_tokens: int) -> float:
+    ids = prompt[None].to(model.device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                   do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
+    return time.perf_counter() - start
+
+
+def draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> float:
+    """Seconds of one draft expansion step over the seconds of one plain target decode step."""
+    target.reset()
+    drafter.reset()
+    _, features, _ = target.prefill(prompt)
+    drafter.extend(prompt[1:], features[:-1])
+    drafter.draft_tree(prompt[-1])  # warm-up: a baseline's first draft reads the whole prompt
+    start = time.perf_counter()
+    for _ in range(repeats):
+        drafter.draft_tree(prompt[-1])
+    per_draft_step = (time.perf_counter() - start) / repeats / max(drafter.tree_cfg.depth, 1)
+    one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+    zero = torch.zeros(1, dtype=torch.long, device=target.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.forward(prompt[-1:], zero, one)
+    return per_draft_step / ((time.perf_counter() - start) / repeats)

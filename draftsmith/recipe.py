@@ -177,6 +177,7 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
+    activation_checkpointing: bool = False  # recompute each unrolled TTT step in backward: long samples
     corrupt_samples: str = "fail"   # a sample failing its checksum: stop naming it, or skip (mask) and count it
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

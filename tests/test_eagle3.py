@@ -74,10 +74,10 @@ def _reference_ttt_attention(qs, ks, vs):
 def test_ttt_attention_equals_explicit_mask_reference():
     torch.manual_seed(0)
     attend, qs, ks, vs = TTTAttention(), [], [], []
-    for _ in range(4):
+    for i in range(4):
         q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
         qs.append(q), ks.append(k), vs.append(v)
-        torch.testing.assert_close(attend(q, k, v), _reference_ttt_attention(qs, ks, vs), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attend.at(i)(q, k, v), _reference_ttt_attention(qs, ks, vs), atol=1e-5, rtol=1e-5)
 
 
 def _tiny_head(steps=3):

@@ -28,6 +28,7 @@ from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
 from draftsmith.bench.heads import MTP_RUNS, bench_heads, bench_medusa, render_heads
+from draftsmith.bench.long_context import bench_long_context, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
 from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
 from draftsmith.bench.regen import bench_regen, render_regen
@@ -46,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from draftsmith import stages
     recipe = recipe_mod.load(args.recipe, args.overrides)
-    print(stages.run_all(recipe), flush=True)  # the pipeline as `draftsmith run` runs it (stale stages redone)
     sections = set(args.sections.split(","))
+    if sections - NO_DEMO_RUN:
+        print(stages.run_all(recipe), flush=True)  # the pipeline as `draftsmith run` runs it (stale stages redone)
     json_path = Path(args.out).with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and sections != set(SECTIONS) else {}
     results.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
-    if sections - {"medusa", "mtp"}:  # these sections run their own demo recipes
+    if sections - STANDALONE:  # the others run their own recipes
         results["recipe"] = args.recipe
     measure = {"capture": lambda: bench_capture(args.recipe, args.overrides),
                "train": lambda: {k: bench_train_k(args.recipe, args.overrides, k, args.train_steps) for k in (1, 3, 7)},
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                "economics": lambda: bench_economics(recipe),
                "drafting": lambda: bench_drafting(recipe),
                "regen": lambda: bench_regen(recipe),
-               "parallel": lambda: bench_parallel(args.recipe, args.overrides)}
+               "parallel": lambda: bench_parallel(args.recipe, args.overrides),
+               "long_context": bench_long_context}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -76,14 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel"]
+SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
+            "long_context"]
+STANDALONE = {"medusa", "mtp", "long_context"}  # sections measured on recipes of their own
+NO_DEMO_RUN = {"medusa", "long_context"}         # sections that need nothing of the demo recipe's run
 
 def render(r: dict) -> str:
     lines = ["# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
              f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
              "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
     return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
-                     render_regen(r) + render_parallel(r) + _shortfalls(r))
+                     render_regen(r) + render_parallel(r) + render_long_context(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:

@@ -11,6 +11,7 @@ class DraftHead(nn.Module):
     kind: str = ""
     FROZEN: tuple[str, ...] = ("embed_tokens", "rotary")
     config: dict
+    checkpoint_steps: bool = False  # recompute each unrolled step in backward (train.activation_checkpointing)
 
     def loss(self, batch: dict):
         raise NotImplementedError

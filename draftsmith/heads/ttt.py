@@ -2,43 +2,84 @@
 (EAGLE-3, EAGLE-2, MTP): step 0 at position t sees the target's feature f_t and token x_{t+1};
 step i feeds the head its own previous output with the true token x_{t+1+i}, RoPE positions
 offset by i. Attention: step-0 keys causally, the keys of steps 1..i only on the diagonal (a query
-sees its own chain), exactly the pattern a drafted chain has at inference. The scores are the T×T
-causal block plus i diagonal columns: no T×T×k mask is ever materialized."""
+sees its own chain), exactly the pattern a drafted chain has at inference.
+
+Memory is linear in the sequence length: step 0 is SDPA's causal kernel (flash on CPU and CUDA);
+a later step runs over query blocks, each scoring only the step-0 keys up to its own end plus its
+i diagonal columns in one softmax (fp32), so no T x T tensor exists. When a sequence needs more
+than one block, each block is checkpointed: backward recomputes its scores instead of keeping them.
+`ttt_step` checkpoints a whole unrolled step (`head.checkpoint_steps`), for samples whose per-step
+activations would not fit."""
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+SCORE_BUDGET = 2 ** 24  # fp32 score elements one query block may hold (64 MiB)
 
 
 def _repeat_kv(x, num_heads: int):
     return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
+def _block_attention(q_BhCd, k0, v0, diag_keys, diag_values, start: int):
+    """Queries [start, start + C) over step-0 keys [0, start + C) (causal) and their own diagonal
+    keys of steps 1..i, one softmax in fp32."""
+    heads, C = q_BhCd.shape[1], q_BhCd.shape[2]
+    end = start + C
+    scale = 1.0 / math.sqrt(q_BhCd.shape[-1])
+    k0, v0 = _repeat_kv(k0[:, :, :end], heads), _repeat_kv(v0[:, :, :end], heads)
+    block = (q_BhCd @ k0.transpose(-1, -2)).float() * scale
+    causal = torch.arange(end, device=q_BhCd.device)[None, :] <= torch.arange(start, end, device=q_BhCd.device)[:, None]
+    block = block.masked_fill(~causal, float("-inf"))
+    diag = torch.stack([(q_BhCd * _repeat_kv(kj[:, :, start:end], heads)).sum(-1).float() * scale
+                        for kj in diag_keys], dim=-1)
+    weights = torch.softmax(torch.cat([block, diag], dim=-1), dim=-1).to(q_BhCd.dtype)
+    out = weights[..., :end] @ v0
+    for j, vj in enumerate(diag_values):
+        out = out + weights[..., end + j, None] * _repeat_kv(vj[:, :, start:end], heads)
+    return out
+
+
+def query_block(batch_heads: int, num_queries: int, num_keys: int, budget: int | None = None) -> int:
+    """Queries per block so that a block's scores (batch x heads x block x keys) stay in `budget`."""
+    return max(1, min(num_queries, (budget or SCORE_BUDGET) // max(1, batch_heads * num_keys)))
+
+
 class TTTAttention:
-    """Holds the keys/values of every unrolled step; called once per step by the attention layer."""
+    """Holds the keys/values of every unrolled step. `at(i)` is step i's attention function: it
+    (re)places step i's keys, so a checkpointed step recomputed in backward sees what it saw first."""
 
-    def __init__(self):
-        self.keys, self.values = [], []
+    def __init__(self, budget: int | None = None):
+        self.keys, self.values, self.budget = [], [], budget
 
-    def __call__(self, q_BhTd, k, v):
+    def at(self, i: int):
+        return lambda q, k, v: self._attend(i, q, k, v)
+
+    def _attend(self, i: int, q_BhTd, k, v):
+        del self.keys[i:], self.values[i:]
         self.keys.append(k)
         self.values.append(v)
         heads, T = q_BhTd.shape[1], q_BhTd.shape[2]
-        if len(self.keys) == 1:
+        if i == 0:
             return F.scaled_dot_product_attention(q_BhTd, k, v, is_causal=True, enable_gqa=heads != k.shape[1])
-        scale = 1.0 / math.sqrt(q_BhTd.shape[-1])
-        k0, v0 = _repeat_kv(self.keys[0], heads), _repeat_kv(self.values[0], heads)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q_BhTd.device).tril()
-        block = (q_BhTd @ k0.transpose(-1, -2)).float() * scale
-        block = block.masked_fill(~causal, float("-inf"))
-        diag = torch.stack([(q_BhTd * _repeat_kv(kj, heads)).sum(-1).float() * scale for kj in self.keys[1:]], dim=-1)
-        weights = torch.softmax(torch.cat([block, diag], dim=-1), dim=-1).to(q_BhTd.dtype)
-        out = weights[..., :T] @ v0
-        for j, vj in enumerate(self.values[1:]):
-            out = out + weights[..., T + j, None] * _repeat_kv(vj, heads)
-        return out
+        step = query_block(q_BhTd.shape[0] * heads, T, T + i, self.budget)
+        if step >= T:
+            return _block_attention(q_BhTd, self.keys[0], self.values[0], self.keys[1:], self.values[1:], 0)
+        blocks = [checkpoint(_block_attention, q_BhTd[:, :, s:s + step], self.keys[0], self.values[0],
+                             self.keys[1:], self.values[1:], s, use_reentrant=False)
+                  for s in range(0, T, step)]
+        return torch.cat(blocks, dim=2)
+
+
+def ttt_step(head, checkpointed: bool, *args, **kwargs):
+    """head.step(*args), through activation checkpointing when asked (backward recomputes the step)."""
+    if checkpointed and torch.is_grad_enabled():
+        return checkpoint(head.step, *args, use_reentrant=False, **kwargs)
+    return head.step(*args, **kwargs)
 
 
 def shift_left(x_BT, n: int, fill: int = 0):

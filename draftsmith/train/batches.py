@@ -113,20 +113,46 @@ def collate(records: list[dict], max_tokens: int) -> dict:
     return batch
 
 
+TEACHER_BUDGET = 2 ** 28  # teacher probabilities (batch x positions x draft vocabulary) held whole up to this
+
+
+class StreamedTeacher:
+    """The teacher's distribution over the draft vocabulary, computed per slice `[:, lo:hi]` from the
+    target's hidden states and lm_head (fp32), for samples too long to hold [T, V] whole."""
+
+    def __init__(self, teacher_BTH, has_BT, lm_head_VH, draft_to_target):
+        self.teacher, self.has = teacher_BTH, has_BT
+        whole = len(draft_to_target) == lm_head_VH.shape[0]  # the full vocabulary: no copy of the rows
+        self.weight_VH = (lm_head_VH.detach() if whole else lm_head_VH.detach()[draft_to_target]).float()
+        self.shape = (*has_BT.shape, len(draft_to_target))
+
+    @torch.no_grad()
+    def __getitem__(self, key):
+        rows, cols = key
+        assert rows == slice(None), "a streamed teacher is sliced by position only"
+        has = self.has[:, cols]
+        probs = torch.zeros(*has.shape, self.shape[-1], device=self.teacher.device)
+        probs[has] = torch.softmax(self.teacher[:, cols][has].float() @ self.weight_VH.T, dim=-1)
+        return probs
+
+
 @torch.no_grad()
-def teacher_targets(batch: dict, lm_head_VH: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+def teacher_targets(batch: dict, lm_head_VH: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                    budget: int | None = None) -> dict:
     """Teacher distribution over the draft vocabulary, in fp32, only where a teacher exists and its
-    argmax lies inside the draft vocabulary."""
-    has = batch.pop("has_teacher")
-    teacher = batch.pop("teacher")
+    argmax lies inside the draft vocabulary. Held whole while batch x positions x vocabulary fits in
+    `budget`, else streamed (`StreamedTeacher`); the full-vocabulary argmax goes in position blocks."""
+    has, teacher, budget = batch.pop("has_teacher"), batch.pop("teacher"), budget or TEACHER_BUDGET
     B, T = has.shape
     draft_to_target = d2t + torch.arange(len(d2t), device=d2t.device)
     target_to_draft = torch.full((len(t2d),), -1, dtype=torch.long, device=d2t.device)
     target_to_draft[draft_to_target] = torch.arange(len(d2t), device=d2t.device)
-    logits = teacher[has].float() @ lm_head_VH.float().T
-    full_argmax = logits.argmax(-1)
-    probs = torch.zeros(B, T, len(d2t), device=teacher.device)
-    probs[has] = torch.softmax(logits[:, draft_to_target], dim=-1)
+    rows = teacher[has]
+    block = max(1, budget // (4 * len(t2d)))
+    full_argmax = torch.cat([(rows[s:s + block].float() @ lm_head_VH.float().T).argmax(-1)
+                             for s in range(0, len(rows), block)]) if len(rows) else rows.new_zeros(0, dtype=torch.long)
+    streamed = StreamedTeacher(teacher, has, lm_head_VH, draft_to_target)
+    probs = streamed[:, :] if B * T * len(d2t) <= budget else streamed
     valid = torch.zeros(B, T, dtype=torch.bool, device=teacher.device)
     valid[has] = t2d[full_argmax]
     argmax = torch.full((B, T), -1, dtype=torch.long, device=teacher.device)

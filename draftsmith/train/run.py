@@ -88,6 +88,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     spec = head_spec(recipe.head.kind)
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)
     head = spec.model.from_target(target_config, recipe.head, layer_ids)
+    head.checkpoint_steps = recipe.train.activation_checkpointing
     if recipe.head.lora is not None:
         train_idx, _ = B.split_indices(len(dataset))
         source, joint, lm_head = _joint(recipe, dataset, head, accelerator,

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads.ttt import TTTAttention, shift_left
+from draftsmith.heads.objective import soft_ce_sums
+from draftsmith.heads.ttt import TTTAttention, shift_left, ttt_step
 
 
 def input_noise(features_BTH: torch.Tensor, width: float) -> torch.Tensor:
@@ -41,21 +42,20 @@ def eagle2_loss(head, batch: dict):
         n = T - 1 - i
         if n <= 0:
             break
-        h = head.step(shift_left(ids, 1 + i), h, pos + i, attend)
-        predicted = h[:, :n].float()
+        h = ttt_step(head, head.checkpoint_steps, shift_left(ids, 1 + i), h, pos + i, attend.at(i))
         mask = valid[:, 1 + i:]
         count = mask.sum().clamp(min=1)
-        logits = head.logits(h[:, :n]).float()
-        token_loss = -(probs[:, 1 + i:] * torch.log_softmax(logits, dim=-1)).sum(-1)
-        feature_loss = F.smooth_l1_loss(predicted, features[:, 1 + i:].float(), reduction="none").mean(-1)
-        step_loss = ((head.feature_weight * feature_loss + head.token_weight * token_loss) * mask).sum() / count
+        token_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, 1 + i, mask, argmax[:, 1 + i:])
+        feature_loss = F.smooth_l1_loss(h[:, :n].float(), features[:, 1 + i:].float(), reduction="none").mean(-1)
+        feature_sum = (feature_loss * mask).sum()
+        step_loss = (head.feature_weight * feature_sum + head.token_weight * token_sum) / count
         total = total + (head.loss_decay ** i) * step_loss
-        acc = ((logits.argmax(-1) == argmax[:, 1 + i:]) & mask).sum().float() / count
+        acc = hits[0].float() / count
         survive = survive * acc.detach()
         sim_accept = sim_accept + survive
         metrics[f"loss_{i}"] = step_loss.detach()
-        metrics[f"feature_loss_{i}"] = ((feature_loss * mask).sum() / count).detach()
-        metrics[f"token_loss_{i}"] = ((token_loss * mask).sum() / count).detach()
+        metrics[f"feature_loss_{i}"] = (feature_sum / count).detach()
+        metrics[f"token_loss_{i}"] = (token_sum / count).detach()
         metrics[f"acc_{i}"] = acc.detach()
     metrics["sim_accept_len"] = sim_accept
     metrics["num_positions"] = valid.sum().detach()

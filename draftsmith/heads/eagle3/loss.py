@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.ttt import TTTAttention, shift_left
+from draftsmith.heads.objective import soft_ce_sums
+from draftsmith.heads.ttt import TTTAttention, shift_left, ttt_step
 
 
 def ttt_loss(head, batch: dict):
@@ -23,20 +24,18 @@ def ttt_loss(head, batch: dict):
     attend = TTTAttention()
     total = torch.zeros((), device=ids.device)
     metrics = {}
-    survive = sim_accept = torch.ones((), device=ids.device)
-    sim_accept = sim_accept * 0
+    survive, sim_accept = torch.ones((), device=ids.device), torch.zeros((), device=ids.device)
     for i in range(head.ttt_steps):
         n = T - 1 - i
         if n <= 0:
             break
-        h = head.step(shift_left(ids, 1 + i), h, pos + i, attend)
-        logits = head.logits(h[:, :n]).float()
+        h = ttt_step(head, head.checkpoint_steps, shift_left(ids, 1 + i), h, pos + i, attend.at(i))
         mask = valid[:, 1 + i:]
         count = mask.sum().clamp(min=1)
-        step_loss = -(probs[:, 1 + i:] * torch.log_softmax(logits, dim=-1)).sum(-1)
-        step_loss = (step_loss * mask).sum() / count
+        ce_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, 1 + i, mask, argmax[:, 1 + i:])
+        step_loss = ce_sum / count
         total = total + (head.loss_decay ** i) * step_loss
-        acc = ((logits.argmax(-1) == argmax[:, 1 + i:]) & mask).sum().float() / count
+        acc = hits[0].float() / count
         survive = survive * acc.detach()
         sim_accept = sim_accept + survive
         metrics[f"loss_{i}"] = step_loss.detach()

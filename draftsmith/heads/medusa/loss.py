@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.heads.objective import soft_ce_sums
+
 TOP_K_LOGGED = (1, 5)
 
 
@@ -19,23 +21,20 @@ def medusa_loss(head, batch: dict):
     features, probs = batch["aux"], batch["target_probs"]
     valid, argmax = batch["target_valid"], batch["target_argmax"]
     T = features.shape[1]
-    logits_KBTV = head.head_logits(features)
     total = torch.zeros((), device=features.device)
     metrics, survive, sim_accept = {}, torch.ones((), device=features.device), torch.zeros((), device=features.device)
     for k in range(head.num_heads):
         n = T - 1 - k
         if n <= 0:
             break
-        logits = logits_KBTV[k, :, :n].float()
         mask = valid[:, 1 + k:]
         count = mask.sum().clamp(min=1)
-        ce = -(probs[:, 1 + k:] * torch.log_softmax(logits, dim=-1)).sum(-1)
-        head_loss = (ce * mask).sum() / count
+        ce_sum, hits = soft_ce_sums(lambda f, k=k: head.one_head_logits(k, f), features[:, :n], probs, 1 + k,
+                                    mask, argmax[:, 1 + k:], TOP_K_LOGGED)
+        head_loss = ce_sum / count
         total = total + head.loss_decay ** k * head_loss
-        top = torch.topk(logits, max(TOP_K_LOGGED), dim=-1).indices
-        hit = top == argmax[:, 1 + k:, None]
-        for j in TOP_K_LOGGED:
-            metrics[f"top{j}_{k}"] = ((hit[..., :j].any(-1) & mask).sum().float() / count).detach()
+        for j, num_hits in zip(TOP_K_LOGGED, hits):
+            metrics[f"top{j}_{k}"] = (num_hits.float() / count).detach()
         metrics[f"loss_{k}"] = head_loss.detach()
         survive = survive * metrics[f"top1_{k}"]
         sim_accept = sim_accept + survive

@@ -89,11 +89,12 @@ class MedusaHead(DraftHead):
 
     def head_logits(self, features_BTH: torch.Tensor) -> torch.Tensor:
         """[K, B, T, V]: head k's logits for token t+2+k at every position t."""
-        out = []
-        for k, block in enumerate(self.blocks):
-            projection = self.lm_head if self.config.get("original_lm_head") else self.lm_heads[k]
-            out.append(projection(block(features_BTH.to(projection.weight.dtype))))
-        return torch.stack(out)
+        return torch.stack([self.one_head_logits(k, features_BTH) for k in range(len(self.blocks))])
+
+    def one_head_logits(self, k: int, features_BTH: torch.Tensor) -> torch.Tensor:
+        """[B, T, V]: head k's logits."""
+        projection = self.lm_head if self.config.get("original_lm_head") else self.lm_heads[k]
+        return projection(self.blocks[k](features_BTH.to(projection.weight.dtype)))
 
     def loss(self, batch: dict):
         """Σ_k decay^k · soft CE against the target's distribution of token t+2+k; see loss.py."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.ttt import TTTAttention, shift_left
+from draftsmith.heads.objective import soft_ce_sums
+from draftsmith.heads.ttt import TTTAttention, shift_left, ttt_step
 
 
 def step_weights(num_steps: int, beta: float) -> list[float]:
@@ -32,14 +33,13 @@ def mtp_loss(head, batch: dict):
         n = T - 1 - i
         if n <= 0:
             break
-        h = head.step(shift_left(ids, 1 + i), h, pos + i, attend, module=i)
-        logits = head.logits(h[:, :n], module=i).float()
+        h = ttt_step(head, head.checkpoint_steps, shift_left(ids, 1 + i), h, pos + i, attend.at(i), module=i)
         mask = valid[:, 1 + i:]
         count = mask.sum().clamp(min=1)
-        ce = -(probs[:, 1 + i:] * torch.log_softmax(logits, dim=-1)).sum(-1)
-        step_loss = (ce * mask).sum() / count
+        ce_sum, hits = soft_ce_sums(lambda x, m=i: head.logits(x, module=m), h[:, :n], probs, 1 + i, mask, argmax[:, 1 + i:])
+        step_loss = ce_sum / count
         total = total + weights[i] * step_loss
-        acc = ((logits.argmax(-1) == argmax[:, 1 + i:]) & mask).sum().float() / count
+        acc = hits[0].float() / count
         survive = survive * acc.detach()
         sim_accept = sim_accept + survive
         metrics[f"loss_{i}"], metrics[f"acc_{i}"] = step_loss.detach(), acc.detach()

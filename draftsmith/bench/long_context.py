@@ -1,0 +1,128 @@
+"""`make bench` section `long_context`: one EAGLE-3 training step (the teacher's distribution, the TTT loss,
+forward and backward) on one sample of 512 to 32768 tokens, memory above the model and step time, for
+three settings of the same head:
+
+- `whole`: the round-3 algorithm (one T x T score block per step, [T, V] logits kept for backward, the
+  teacher's distribution held whole), i.e. unbounded block budgets;
+- `blocked`: the defaults (query blocks and position blocks, each checkpointed; the teacher streamed
+  when it would exceed its budget);
+- `blocked+ckpt`: that and `train.activation_checkpointing: true` (each unrolled step recomputed).
+
+Each point runs in a fresh process (`python -m draftsmith.bench.long_context T SETTING`) whose address
+space is capped, so a point that does not fit fails with an allocation error instead of taking the
+machine down; its memory is the peak RSS above what the head and the sample hold before the step."""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+HEAD = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
+        "vocab_size": 32000, "draft_vocab_size": 8192, "ttt_steps": 7}
+SIZES = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+SETTINGS = {"whole": SIZES[:5], "blocked": SIZES[:6], "blocked+ckpt": SIZES}
+MEMORY_CAP_GB = 23
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2 ** 30
+
+
+def one_step(num_tokens: int, setting: str) -> dict:
+    """One training step in this process; returns memory above the model and seconds."""
+    from transformers import LlamaConfig
+    from draftsmith.heads import objective, ttt
+    from draftsmith.heads.eagle3.model import Eagle3Head
+    from draftsmith.recipe import HeadConfig
+    from draftsmith.train.batches import teacher_targets
+    torch.manual_seed(0)
+    if setting == "whole":
+        ttt.SCORE_BUDGET = objective.LOSS_BUDGET = 2 ** 62
+    H, V, Vd = HEAD["hidden_size"], HEAD["vocab_size"], HEAD["draft_vocab_size"]
+    config = LlamaConfig(hidden_size=H, num_attention_heads=HEAD["num_attention_heads"], vocab_size=V,
+                         num_key_value_heads=HEAD["num_key_value_heads"], intermediate_size=HEAD["intermediate_size"],
+                         num_hidden_layers=32, max_position_embeddings=131072)
+    head = Eagle3Head.from_target(config, HeadConfig(draft_vocab_size=Vd, ttt_steps=HEAD["ttt_steps"]), [2, 16, 29])
+    head.checkpoint_steps = setting == "blocked+ckpt"
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V)[:Vd]] = True
+    d2t = torch.nonzero(t2d).squeeze(1) - torch.arange(Vd)
+    head.set_vocab(d2t, t2d)
+    lm_head = torch.randn(V, H) / H ** 0.5
+    T = num_tokens
+    sample = {"input_ids": torch.randint(0, V, (1, T)), "position_ids": torch.arange(T)[None],
+              "aux": torch.randn(1, T, 3 * H), "teacher": torch.randn(1, T, H), "has_teacher": torch.ones(1, T, dtype=torch.bool)}
+    before = _rss_gb()
+    start = time.perf_counter()
+    batch = teacher_targets(sample, lm_head, d2t, t2d, budget=2 ** 62 if setting == "whole" else None)
+    loss, _ = head.loss(batch)
+    loss.backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return {"memory_above_model_gb": peak - before, "step_seconds": seconds, "loss": float(loss)}
+
+
+def _run_point(num_tokens: int, setting: str) -> dict:
+    cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP_GB} * 2**30,) * 2); "
+    code = cap + f"from draftsmith.bench.long_context import main; main({num_tokens}, {setting!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return {"fits": False, "error": tail[:200]}
+    return {"fits": True, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def bench_long_context(settings: dict = SETTINGS) -> dict:
+    out = {"head": HEAD, "threads": torch.get_num_threads(), "memory_cap_gb": MEMORY_CAP_GB, "points": {}}
+    for setting, sizes in settings.items():
+        for T in sizes:
+            point = _run_point(T, setting)
+            out["points"].setdefault(setting, {})[str(T)] = point
+            print(f"[bench] long_context {setting} T={T}: {point}", flush=True)
+            if not point["fits"]:
+                break
+    return out
+
+
+def _growth(points: dict) -> list[float]:
+    mem = [p["memory_above_model_gb"] for p in points.values() if p.get("fits")]
+    return [b / a for a, b in zip(mem, mem[1:])]
+
+
+def render_long_context(r: dict) -> list[str]:
+    lc = r.get("long_context")
+    if not lc:
+        return []
+    h = lc["head"]
+    settings = list(lc["points"])
+    lines = ["## Long samples: one EAGLE-3 training step (issue #30)", "",
+             f"One sample, batch 1, TTT {h['ttt_steps']}, a head of hidden size {h['hidden_size']}, {h['num_attention_heads']} "
+             f"heads ({h['num_key_value_heads']} KV), MLP {h['intermediate_size']}, draft vocabulary {h['draft_vocab_size']} of "
+             f"{h['vocab_size']}; the step includes the teacher's distribution, forward and backward; {lc['threads']} CPU threads, "
+             f"address space capped at {lc['memory_cap_gb']} GB. *whole* is round 3's algorithm; *blocked* today's default; "
+             "*blocked+ckpt* adds `train.activation_checkpointing: true`. Memory above the model (GB) / step seconds:", "",
+             "| tokens | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for T in SIZES:
+        cells = []
+        for s in settings:
+            p = lc["points"][s].get(str(T))
+            cells.append("-" if p is None else "does not fit" if not p["fits"] else
+                         f"{p['memory_above_model_gb']:.2f} / {p['step_seconds']:.1f} s")
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    lines += ["", "Memory growth per doubling: " + "; ".join(
+        f"{s} {', '.join(f'{g:.2f}x' for g in _growth(lc['points'][s]))}" for s in settings), ""]
+    return lines
+
+
+def main(num_tokens: int, setting: str) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(json.dumps(one_step(num_tokens, setting)), flush=True)
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench_long_context()), flush=True)

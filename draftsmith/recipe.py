@@ -65,7 +65,9 @@ class TargetConfig:
 class DataSource:
     path: str = ""
     format: str = "auto"
-    split: str = "train"
+    split: str = "train"                # a `datasets` source's split (UltraChat-200K: train_sft)
+    name: str | None = None             # a `datasets` source's configuration name
+    streaming: bool = False             # read a `datasets` source record by record, never whole on disk or in memory
 
 
 @dataclass

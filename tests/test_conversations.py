@@ -159,3 +159,38 @@ def test_stdlib_split_is_by_module(micro_target, tmp_path):
     heldout_modules = {c["id"].split(":")[0] for c in heldout}
     assert train and heldout and not train_modules & heldout_modules
     assert all(stdlib.is_heldout(m, recipe.data.heldout_fraction) for m in heldout_modules)
+
+
+def _rows(tag: str, n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"{tag} q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(n)]
+
+
+def test_a_sources_split_is_honoured_and_a_missing_one_named(tmp_path):
+    import datasets
+    from draftsmith.recipe import DataSource
+    saved = tmp_path / "ultrachat-like"
+    datasets.DatasetDict({"train_sft": datasets.Dataset.from_list(_rows("sft", 3)),
+                          "test_sft": datasets.Dataset.from_list(_rows("test", 2))}).save_to_disk(str(saved))
+    read = lambda **kw: [r for _, r in conv.read_records(str(saved), "fail", conv.SkipCounter(), DataSource(path=str(saved), **kw))]  # noqa: E731
+    assert [r["messages"][0]["content"] for r in read(split="train_sft")] == ["sft q0", "sft q1", "sft q2"]
+    assert len(read(split="test_sft")) == 2
+    with pytest.raises(conv.DataError, match=r"no split 'train' \(it has \['test_sft', 'train_sft'\]\)"):
+        read()
+
+
+def test_a_sources_configuration_name_and_streaming(tmp_path):
+    """A local dataset folder with two configurations (declared in its README, as hub datasets do), one
+    chosen by name, read whole and streamed record by record."""
+    from draftsmith.recipe import DataSource
+    root = tmp_path / "multi"
+    for name in ("short", "long"):
+        (root / name).mkdir(parents=True)
+        write_jsonl(root / name / "train.jsonl", _rows(name, 2 if name == "short" else 3))
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: short\n  data_files:\n  - split: train\n    path: short/*.jsonl\n"
+                                    "- config_name: long\n  data_files:\n  - split: train\n    path: long/*.jsonl\n---\n")
+    for streaming in (False, True):
+        source = DataSource(path=str(root), name="long", streaming=streaming)
+        records = [r for _, r in conv.read_records(str(root), "fail", conv.SkipCounter(), source)]
+        assert [r["messages"][0]["content"] for r in records] == ["long q0", "long q1", "long q2"]
+    with pytest.raises(conv.DataError, match=r"split 'nope'.*cannot load"):
+        list(conv.read_records(str(root), "fail", conv.SkipCounter(), DataSource(path=str(root), name="short", split="nope")))

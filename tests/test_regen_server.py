@@ -188,16 +188,19 @@ class _Stub(BaseHTTPRequestHandler):
         self._send(200, json.dumps({"object": "list", "data": [{"id": self.server.model_id, "object": "model"}]}))
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.server.requests.append(request)
+        message = {"role": "assistant", "content": ""}
+        if self.mode == "reasoning":  # a server with a reasoning parser (vLLM, SGLang): reasoning apart from content
+            message = {"role": "assistant", "content": f"Answer {len(self.server.requests)}.", "reasoning_content": "Thought."}
         self._send(200, json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": self.server.model_id,
-                                    "choices": [{"index": 0, "finish_reason": "stop",
-                                                 "message": {"role": "assistant", "content": ""}}]}))
+                                    "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}))
 
 
 @pytest.fixture
 def stub(random_target):
     httpd = ThreadingHTTPServer((HOST, 0), _Stub)
-    httpd.model_id = str(random_target)
+    httpd.model_id, httpd.requests = str(random_target), []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield httpd
@@ -227,3 +230,22 @@ def test_bad_servers_and_settings_are_named(server, random_target, stub, tmp_pat
     assert counts["failed"] == 2 and counts["regenerated"] == 0 and counts["finish_reasons"] == {"error": 2}
     assert all("returned an empty completion for turn 1" in f["error"] for f in counts["failures"])
     assert result == _convs(2)                   # failed conversations keep their original answers, listed
+
+
+def test_server_reasoning_is_kept_and_tool_call_turns_are_not_regenerated(random_target, stub, tmp_path):
+    _Stub.mode = "reasoning"
+    url = f"http://{HOST}:{stub.server_address[1]}/v1"
+    recipe = _recipe(tmp_path, random_target, f"data.regen.server={url}", "data.regen.max_retries=0")
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1",
+                                                                "function": {"name": "weather", "arguments": "{}"}}]}
+    conv = {"id": "agent", "messages": [{"role": "user", "content": "Weather?"}, call,
+                                        {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "weather"},
+                                        {"role": "assistant", "content": "old answer"}]}
+    result, counts = regenerate(recipe, load_tokenizer(recipe), [conv], tmp_path / "regen.jsonl")
+    assert counts["regenerated"] == 1 and len(stub.requests) == 1      # the tool call was not asked again
+    messages = result[0]["messages"]
+    assert messages[:3] == conv["messages"][:3]
+    assert messages[3] == {"role": "assistant", "content": "Answer 1.", "reasoning_content": "Thought."}
+    sent = stub.requests[0]["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool"]
+    assert sent[2]["tool_calls"][0]["function"]["name"] == "weather" and sent[3]["tool_call_id"] == "c1"

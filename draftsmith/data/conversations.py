@@ -2,6 +2,11 @@
 
 Inputs: JSONL/JSON in ShareGPT (`conversations`/`from`/`value`), OpenAI (`messages`/`role`/`content`)
 or preformatted (`text`) form, or anything `datasets.load_dataset`/`load_from_disk` reads.
+
+Reasoning and agent traces reach the template whole: a turn keeps its reasoning (`reasoning_content`,
+`reasoning` or `thinking`, kept as `reasoning_content`), `tool_calls`, `tool_call_id` and `name`. At
+render time the reasoning goes under the name the template reads (Qwen3 `reasoning_content`, gpt-oss
+`thinking`), or into the content between think tags for templates that read neither (DeepSeek-R1).
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class SkipCounter:
 
 
 FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")   # what datasets and servers call it
+KEPT_KEYS = ("tool_calls", "tool_call_id", "name")                # what templates read besides role and content
 
 
 def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
@@ -51,18 +58,30 @@ def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
         role_key, content_key = ("from", "value") if "from" in first else ("role", "content")
     else:
         raise DataError(f"{where}: no 'messages', 'conversations' or 'text' key (found {sorted(record)})")
-    messages = []
-    for i, turn in enumerate(turns):
-        role = ROLE_ALIASES.get(str(turn.get(role_key, "")).lower()) if isinstance(turn, dict) else None
-        content = turn.get(content_key) if isinstance(turn, dict) else None
-        if role is None or not isinstance(content, str):
-            raise DataError(f"{where}: turn {i} needs '{role_key}' (user/assistant/system) and a string '{content_key}'")
-        messages.append({"role": role, "content": content})
-    return {"id": rid, "messages": messages}
+    return {"id": rid, "messages": [_turn(turn, i, where, role_key, content_key) for i, turn in enumerate(turns)]}
 
 
-def read_records(path: str, bad_lines: str, skips: SkipCounter):
-    """Yield (where, record) from a .jsonl/.json file or a `datasets` source."""
+def _turn(turn, i: int, where: str, role_key: str, content_key: str) -> dict:
+    """One turn: role, content, and the fields chat templates read (reasoning, tool calls, ids, names)."""
+    role = ROLE_ALIASES.get(str(turn.get(role_key, "")).lower()) if isinstance(turn, dict) else None
+    content = turn.get(content_key) if isinstance(turn, dict) else None
+    if content is None and role == "assistant" and turn.get("tool_calls"):  # role set: turn is a dict
+        content = ""  # a turn that only calls tools
+    if role is None or not isinstance(content, str):
+        raise DataError(f"{where}: turn {i} needs '{role_key}' (user/assistant/system/tool) and a string '{content_key}'")
+    message = {"role": role, "content": content}
+    reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k]), None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    message.update({k: turn[k] for k in KEPT_KEYS if turn.get(k) is not None})
+    if "tool_calls" in message and not isinstance(message["tool_calls"], list):
+        raise DataError(f"{where}: turn {i} 'tool_calls' must be a list of calls")
+    return message
+
+
+def read_records(path: str, bad_lines: str, skips: SkipCounter, source=None):
+    """Yield (where, record) from a .jsonl/.json file or a `datasets` source (its split, configuration
+    name and streaming from `source`, a recipe DataSource)."""
     file = Path(path)
     if file.suffix == ".jsonl":
         if not file.exists():
@@ -102,24 +121,29 @@ def read_records(path: str, bad_lines: str, skips: SkipCounter):
         for index, item in enumerate(items):
             yield f"{path}[{index}]", item
     else:
-        yield from _read_hf(path)
+        yield from _read_hf(path, source)
 
 
 def _bad_bytes(exc: UnicodeDecodeError) -> str:
     return f"byte {exc.object[exc.start:exc.start + 1].hex()} at offset {exc.start} of the line: {exc.reason}"
 
 
-def _read_hf(path: str):
+def _read_hf(path: str, source=None):
     import datasets
-    if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists() or (Path(path) / "dataset_dict.json").exists():
+    split = getattr(source, "split", "train")
+    if Path(path).is_dir() and ((Path(path) / "dataset_info.json").exists() or (Path(path) / "dataset_dict.json").exists()):
         loaded = datasets.load_from_disk(path)
     else:
         try:
-            loaded = datasets.load_dataset(path, split="train")
+            loaded = datasets.load_dataset(path, getattr(source, "name", None), split=split,
+                                           streaming=bool(getattr(source, "streaming", False)))
         except Exception as exc:  # datasets raises many types; name the source either way
-            raise DataError(f"data source {path!r}: cannot load with datasets ({type(exc).__name__}: {exc})") from None
+            raise DataError(f"data source {path!r} (split {split!r}, name {getattr(source, 'name', None)!r}): cannot "
+                            f"load with datasets ({type(exc).__name__}: {exc})") from None
     if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded["train"]
+        if split not in loaded:
+            raise DataError(f"data source {path!r}: no split {split!r} (it has {sorted(loaded)}); set its 'split'")
+        loaded = loaded[split]
     for index, item in enumerate(loaded):
         yield f"{path}[{index}]", item
 
@@ -141,7 +165,26 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
     """The one place conversations become text: the tokenizer's chat template, with the recipe's
     `data.chat_template_kwargs` (e.g. enable_thinking) that `load_tokenizer` attached."""
     extra = getattr(tokenizer, "draftsmith_template_kwargs", None) or {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+    return tokenizer.apply_chat_template(for_template(tokenizer, messages), tokenize=False,
+                                         add_generation_prompt=generation_prompt, **extra)
+
+
+def for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """Reasoning under the key this template reads (`reasoning_content`, `thinking`), or, for a template
+    that reads neither, in the content between think tags (DeepSeek-R1 and others parse it there)."""
+    template = tokenizer.chat_template or ""
+    if not any("reasoning_content" in m for m in messages) or "reasoning_content" in template:
+        return messages
+    out = []
+    for m in messages:
+        m = dict(m)
+        reasoning = m.pop("reasoning_content", None)
+        if reasoning is not None and "thinking" in template:
+            m["thinking"] = reasoning
+        elif reasoning is not None and "</think>" not in m["content"]:
+            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
+        out.append(m)
+    return out
 
 
 def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
@@ -168,29 +211,45 @@ def _locate_rewritten(content: str, upto: str, text: str, cursor: int) -> tuple[
     """Find a history-rewritten assistant turn in `text`: its content (or the part after the
     reasoning block) plus the end-of-turn marker the template puts after a final turn."""
     tail = upto.rstrip()
-    eot = tail[tail.rfind(content) + len(content):] if content in tail else ""
     for candidate in (content, content.split("</think>")[-1].lstrip("\n"), content.strip()):
         start = text.find(candidate, cursor) if candidate else -1
         if start >= 0:
             end = start + len(candidate)
+            eot = tail[tail.rfind(candidate) + len(candidate):] if candidate in tail else ""
             return start, end + len(eot) if eot and text.startswith(eot, end) else end
     raise DataError("the chat template does not reproduce the assistant content")
 
 
 def encode_conversation(tokenizer, conv: dict, system_prompt: str | None) -> tuple[list[int], list[int]]:
-    """Render with the tokenizer's chat template; mask = assistant tokens (+ end of turn) only."""
+    """Render with the tokenizer's chat template; mask = assistant tokens (+ end of turn) only: the
+    reasoning, tool calls and answers the target produces, never tool results or user turns."""
     if "text" in conv:
         ids = tokenizer(conv["text"], add_special_tokens=True)["input_ids"]
         return ids, [1] * len(ids)
-    messages = conv["messages"]
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
+    messages = with_system(conv["messages"], system_prompt)
     text = render(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, text)
+    text, spans = _as_produced(tokenizer, messages, text) or (text, assistant_spans(tokenizer, messages, text))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < end and e > start for start, end in spans)) if e > s else 0
             for s, e in encoded["offset_mapping"]]
     return encoded["input_ids"], mask
+
+
+def _as_produced(tokenizer, messages: list[dict], text: str) -> tuple[str, list[tuple[int, int]]] | None:
+    """For a template that drops the final turn's reasoning too (DeepSeek-R1 strips the think block
+    from every assistant turn): that turn as the target produces it after its generation prompt,
+    the reasoning between think tags, then the answer and the template's end of turn. None when the
+    template renders the reasoning itself."""
+    last = messages[-1]
+    reasoning = last.get("reasoning_content") if last["role"] == "assistant" else None
+    if not reasoning or reasoning in text:
+        return None
+    prompt = render(tokenizer, messages[:-1], generation_prompt=True)
+    tail, content = text.rstrip(), last["content"]
+    end_of_turn = tail[tail.rfind(content) + len(content):] if content and content in tail else ""
+    opened = prompt.rstrip().endswith("<think>")
+    produced = ("" if opened else "<think>\n") + f"{reasoning}\n</think>\n\n{content}{end_of_turn}"
+    return prompt + produced, assistant_spans(tokenizer, messages[:-1], prompt) + [(len(prompt), len(prompt) + len(produced))]
 
 
 def template_hash(tokenizer) -> str:

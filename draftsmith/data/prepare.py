@@ -38,7 +38,7 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
     elif cfg.builtin is not None:
         raise ValueError(f"data.builtin={cfg.builtin!r}: the only builtin set is 'stdlib'")
     for index, source in enumerate(cfg.sources):
-        for where, record in conv.read_records(source.path, cfg.bad_lines, skips):
+        for where, record in conv.read_records(source.path, cfg.bad_lines, skips, source):
             num_read += 1
             try:
                 item = conv.normalize(record, where, source.format)

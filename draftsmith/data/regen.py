@@ -59,7 +59,8 @@ def _regenerate_batch(model, tokenizer, batch: list[dict], cfg, system_prompt) -
     """Walk the conversations turn by turn; each assistant turn sees the regenerated history."""
     new, reasons = [{"id": c["id"], "messages": []} for c in batch], Counter()
     for turn in range(max(len(c["messages"]) for c in batch)):
-        asking = [i for i, c in enumerate(batch) if turn < len(c["messages"]) and c["messages"][turn]["role"] == "assistant"]
+        asking = [i for i, c in enumerate(batch) if turn < len(c["messages"]) and c["messages"][turn]["role"] == "assistant"
+                  and not c["messages"][turn].get("tool_calls")]  # tool results that follow answer the calls as given
         for i, c in enumerate(batch):
             if turn < len(c["messages"]) and i not in asking:
                 new[i]["messages"].append(c["messages"][turn])

@@ -85,7 +85,7 @@ def regenerate_conversation(client, model: str, conv: dict, cfg, system_prompt: 
     new, reasons, tokens = [], {}, 0
     extra = {"extra_body": {"chat_template_kwargs": template_kwargs}} if template_kwargs else {}
     for index, message in enumerate(conv["messages"]):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or message.get("tool_calls"):  # tool results answer the calls as given
             new.append(message)
             continue
         reply = client.chat.completions.create(
@@ -98,10 +98,19 @@ def regenerate_conversation(client, model: str, conv: dict, cfg, system_prompt: 
         if not text:
             raise ServerAnswerError(f"data.regen.server={cfg.server!r} returned an empty completion for turn {index} "
                                     f"(finish_reason {choice.finish_reason!r})")
-        new.append({"role": "assistant", "content": text})
+        new.append(_answer_turn(text, choice.message))
         reasons[choice.finish_reason or "unknown"] = reasons.get(choice.finish_reason or "unknown", 0) + 1
         tokens += getattr(reply.usage, "completion_tokens", 0) or 0
     return {"id": conv["id"], "messages": new}, reasons, tokens
+
+
+def _answer_turn(text: str, message) -> dict:
+    """The regenerated turn, with the reasoning the server's reasoning parser returned apart from the content
+    (`reasoning_content` in vLLM and SGLang, `reasoning` in newer vLLM)."""
+    extra = getattr(message, "model_extra", None) or {}
+    reasoning = next((value for value in (getattr(message, "reasoning_content", None), extra.get("reasoning_content"),
+                                          extra.get("reasoning")) if isinstance(value, str) and value.strip()), None)
+    return {"role": "assistant", "content": text, **({"reasoning_content": reasoning.strip()} if reasoning else {})}
 
 
 def regenerate_through_server(recipe: Recipe, todo: list[dict], write, counts: dict) -> None:

@@ -8,7 +8,8 @@ Per device, with b bytes per value of the recipe's dtype and a replica of tp * p
   KV cache     tokens * 2 * layers * kv_heads * head_dims * b / (tp * pp)
   activations  capture: batch_tokens * (8 * hidden + 3 * ffn / tp) * b; regen/validate: logits in fp32
   head         train: trainable head params * 16 bytes (weights, grads, fp32 master, two Adam moments)
-               + the frozen target layers the trainer reads; validate: the head's weights."""
+               + the frozen target layers the trainer reads; validate: the head's weights.
+  head's step  train: linear in the sample's tokens (head_activation_bytes)."""
 from __future__ import annotations
 
 import math
@@ -62,7 +63,8 @@ def target_facts(config, name: str = "") -> TargetFacts:
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     per_tok = getattr(text, "num_experts_per_tok", 0) or 0
     active = params - expert_params + (expert_params * per_tok // experts if experts else 0)
-    layers = model.get_decoder().layers
+    from draftsmith.targets.features import decoder_of
+    layers = decoder_of(model).layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if getattr(text, "kv_lora_rank", None):  # MLA as transformers caches it: per head K (nope + rope) and V
@@ -135,17 +137,29 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
             ids = _layer_ids(recipe, facts)
             kept = (ids[0] + facts.layers - ids[-1]) if ids and recipe.capture.recompute else 0
             parts["weights"] = (facts.embed_params + kept * facts.layer_params) * b
-        steps = recipe.head.ttt_steps or 1
-        vocab = recipe.head.draft_vocab_size if recipe.head.kind == "eagle3" else facts.vocab
         parts["head"] = (trainable * 16 + (total - trainable) * b) / (layout.dp if zero3 else 1)
-        parts["activations"] = parts.get("activations", 0) + recipe.train.max_batch_tokens * steps * \
-            (vocab * 4 * 3 + 24 * facts.hidden * 4)
+        parts["activations"] = parts.get("activations", 0) + head_activation_bytes(recipe, facts)
     else:
         raise ValueError(f"plan: unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     parts["total"] = sum(parts.values())
     if stage == "capture":  # host RAM, not the device's: a batch's features, converted to the store's dtype and compressed
         parts[HOST] = recipe.capture.batch_tokens * store_bytes_per_token(recipe, facts) * 3
     return parts
+
+
+def head_activation_bytes(recipe, facts: TargetFacts) -> float:
+    """The head's training step on a batch of T = train.max_batch_tokens tokens, fp32, linear in T: per unrolled
+    step what backward keeps (24 values per hidden unit and token; one hidden state per token under
+    train.activation_checkpointing, plus one step recomputed), and the bounded blocks of the TTT scores, the
+    vocabulary loss and the teacher's distribution (heads/ttt.py, heads/objective.py, train/batches.py)."""
+    from draftsmith.heads.objective import LOSS_BUDGET
+    from draftsmith.heads.ttt import SCORE_BUDGET
+    from draftsmith.train.batches import TEACHER_BUDGET
+    T, steps, H = recipe.train.max_batch_tokens, recipe.head.ttt_steps or 1, facts.hidden
+    vocab = recipe.head.draft_vocab_size if recipe.head.kind == "eagle3" else facts.vocab
+    kept = T * steps * H * 4 + T * 24 * H * 4 if recipe.train.activation_checkpointing else T * steps * 24 * H * 4
+    blocks = min(T * vocab, LOSS_BUDGET) * 4 * 3 + min(T * facts.heads * T, SCORE_BUDGET) * 4 * 3
+    return kept + blocks + min(T * vocab, TEACHER_BUDGET) * 4
 
 
 def store_bytes_per_token(recipe, facts: TargetFacts) -> int:
@@ -213,8 +227,10 @@ def forwards(recipe, facts: TargetFacts, stage: str, num_tokens: int | None, num
     if stage == "validate":
         v = recipe.validate
         return f"at most {v.num_prompts * (v.max_new_tokens + 1) * 3} (speculative, plain and HF generate runs)"
-    return "none with an offline store" if recipe.capture.mode == "offline" and recipe.head.lora is None else \
-        "one per training step (online)"
+    tokens = (f"; {min(recipe.data.max_length, recipe.train.max_batch_tokens)} tokens per sample, TTT "
+              f"{recipe.head.ttt_steps or 1}{', activation checkpointing' if recipe.train.activation_checkpointing else ''}")
+    return ("none with an offline store" if recipe.capture.mode == "offline" and recipe.head.lora is None else
+            "one per training step (online)") + tokens
 
 
 STAGE_OF = {"capture": "capture", "train": "train", "validate": "validate", "economics": "economics"}
@@ -304,7 +320,7 @@ def render_plan(plan: dict) -> str:
     for stage, row in plan["stages"].items():
         if not row["fits"]:
             hint = {"regen": "lower data.regen.batch_size or regenerate through a server (data.regen.server)",
-                    "train": "lower train.max_batch_tokens or add devices"}.get(stage, "add devices")
+                    "train": "set train.activation_checkpointing: true, lower train.max_batch_tokens or add devices"}.get(stage, "add devices")
             lines.append(f"  {stage:<9} does not fit on {plan['gpus']} devices of {plan['gpu_memory_gb']:.0f} GB: {hint}; "
                          f"forwards: {row['forwards']}")
             continue

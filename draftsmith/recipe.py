@@ -58,6 +58,7 @@ class TargetConfig:
     embedded: EmbeddedTargetConfig | None = None
     dtype: str = "auto"
     chat_template: str | None = None
+    attn_implementation: str | None = None  # None: the model's own default (sdpa where it has it, else eager)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
@@ -180,6 +181,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     activation_checkpointing: bool = False  # recompute each unrolled TTT step in backward: long samples
+    sequence_parallel: int = 1          # consecutive processes that split one sample's positions (eagle3, eagle2, mtp)
     corrupt_samples: str = "fail"   # a sample failing its checksum: stop naming it, or skip (mask) and count it
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

@@ -156,6 +156,24 @@ def test_plan_llama_70b_on_one_8_gpu_node():
     assert all(row["per_device_gib"]["total"] <= 80e9 * plan.HEADROOM / 2**30 for row in stages.values())
 
 
+def test_plan_long_samples_grow_linearly_and_fit_with_checkpointing():
+    """The head's training step at 4K-64K tokens per sample (Qwen3-8B thinking recipe): at most 2.2x per doubling,
+    and the 32K recipe fits one 80 GB device only with train.activation_checkpointing."""
+    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/eagle3-thinking-32k.yaml")
+    facts = plan.target_facts(target_config("Qwen/Qwen3-8B"))
+    for checkpointing in (False, True):
+        recipe.train.activation_checkpointing = checkpointing
+        sizes = []
+        for tokens in (4096, 8192, 16384, 32768, 65536):
+            recipe.train.max_batch_tokens = tokens
+            sizes.append(plan.head_activation_bytes(recipe, facts))
+        assert all(b / a <= 2.2 for a, b in zip(sizes, sizes[1:]))
+    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/eagle3-thinking-32k.yaml")
+    assert plan.make_plan(recipe, target_config("Qwen/Qwen3-8B"), 1, 80)["stages"]["train"]["fits"]
+    recipe.train.activation_checkpointing = False
+    assert not plan.make_plan(recipe, target_config("Qwen/Qwen3-8B"), 1, 80)["stages"]["train"]["fits"]
+
+
 def test_plan_deepseek_v3_and_a_mid_size_moe():
     ds = _plan("recipes/deepseek-v3/mtp.yaml", "deepseek-ai/DeepSeek-V3", 16, 141, nodes=2)
     assert 660 < ds["params_b"] < 690 and 30 < ds["active_params_b"] < 45
@@ -534,3 +552,18 @@ def test_tp2_economics_sweep_runs_one_replica_and_writes_once(micro_pipeline, tm
         a, b = one["drafters"][name], tp2["drafters"][name]
         assert b["exact_rows"] == b["rows"] == a["rows"]
         assert [c["2"]["tau"] for c in b["cells"].values()] == [c["2"]["tau"] for c in a["cells"].values()]
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_sequence_parallel_loss_and_gradients_equal_one_process(tmp_path, num_processes):
+    """One sample of 41 tokens (not a multiple of the group: the last shard is padded) split over 2 and 4
+    gloo processes, EAGLE-3, EAGLE-2 and MTP, with and without step checkpointing and small blocks: every
+    metric and every gradient summed over the group equals the whole sample's in one process."""
+    out = tmp_path / "sp.json"
+    _torchrun(num_processes, str(ROOT / "tests" / "sequence_parallel_worker.py"), str(out), "41", timeout=900)
+    worst = json.loads(out.read_text())
+    assert set(worst) == {"eagle3", "eagle3+ckpt", "eagle2", "eagle2+ckpt", "mtp", "mtp+ckpt"}
+    for case, result in worst.items():
+        assert result["num_compared"] > 10 and result["max"] < 1e-4, (case, result)

@@ -193,6 +193,31 @@ def test_two_process_first_step_matches_single_process(captured, tmp_path, confi
 
 
 @pytest.mark.slow
+def test_sequence_parallel_training_follows_the_single_process_curve(captured, tmp_path):
+    """train.sequence_parallel=2 on 2 processes (DDP, gloo): both ranks read the same samples and split their
+    positions, so the run follows the one-process run step by step (loss and updates), where plain data
+    parallelism would read other samples."""
+    extra = ["train.max_steps=3", "train.batch_size=2", "train.max_grad_norm=100", "head.ttt_steps=3"]
+    parallel = _copy_run(captured, tmp_path / "sp")
+    proc = _launch(str(ROOT / "recipes/launch/cpu2.yaml"), parallel, *extra, "train.sequence_parallel=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = _copy_run(captured, tmp_path / "single")
+    subprocess.run(_train_cmd(single, "data.max_conversations=80", *extra), check=True, capture_output=True)
+    ours, reference = _losses(parallel), _losses(single)
+    assert sorted(ours) == sorted(reference) == [1, 2, 3]
+    for step in reference:
+        assert ours[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_sequence_parallel_refusals_name_the_key(captured, tmp_path):
+    from draftsmith.train.run import build_trainer
+    recipe = _copy_run(captured, tmp_path / "r")
+    recipe.train.sequence_parallel = 2
+    with pytest.raises(ValueError, match=r"train.sequence_parallel=2: the 1 data-parallel processes are not a multiple"):
+        build_trainer(recipe)
+
+
+@pytest.mark.slow
 def test_fsdp2_first_step_matches_single_process(captured, tmp_path):
     """recipes/launch/fsdp.yaml's path (FSDP2 `fully_shard`, NO_WRAP) on 2 CPU processes: the head is
     sharded (DTensor parameters), and rank 0's first-step loss equals the single-process loss on the

@@ -12,6 +12,7 @@ class DraftHead(nn.Module):
     FROZEN: tuple[str, ...] = ("embed_tokens", "rotary")
     config: dict
     checkpoint_steps: bool = False  # recompute each unrolled step in backward (train.activation_checkpointing)
+    sequence_parallel: bool = False  # its loss computes a SequenceShard of a sample (heads/ttt.py)
 
     def loss(self, batch: dict):
         raise NotImplementedError

@@ -13,6 +13,7 @@ activations would not fit."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,23 +26,63 @@ def _repeat_kv(x, num_heads: int):
     return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
-def _block_attention(q_BhCd, k0, v0, diag_keys, diag_values, start: int):
-    """Queries [start, start + C) over step-0 keys [0, start + C) (causal) and their own diagonal
-    keys of steps 1..i, one softmax in fp32."""
+def _block_attention(q_BhCd, k0, v0, diag_keys, diag_values, start: int, local: int):
+    """Queries at global positions [start, start + C) over step-0 keys [0, start + C) (causal) and their
+    own diagonal keys of steps 1..i (held locally from `local`), one softmax in fp32."""
     heads, C = q_BhCd.shape[1], q_BhCd.shape[2]
     end = start + C
     scale = 1.0 / math.sqrt(q_BhCd.shape[-1])
     k0, v0 = _repeat_kv(k0[:, :, :end], heads), _repeat_kv(v0[:, :, :end], heads)
-    block = (q_BhCd @ k0.transpose(-1, -2)).float() * scale
+    scores = (q_BhCd @ k0.transpose(-1, -2)).float() * scale
     causal = torch.arange(end, device=q_BhCd.device)[None, :] <= torch.arange(start, end, device=q_BhCd.device)[:, None]
-    block = block.masked_fill(~causal, float("-inf"))
-    diag = torch.stack([(q_BhCd * _repeat_kv(kj[:, :, start:end], heads)).sum(-1).float() * scale
-                        for kj in diag_keys], dim=-1)
-    weights = torch.softmax(torch.cat([block, diag], dim=-1), dim=-1).to(q_BhCd.dtype)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    if diag_keys:
+        diag = [(q_BhCd * _repeat_kv(kj[:, :, local:local + C], heads)).sum(-1).float() * scale for kj in diag_keys]
+        scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)
+    weights = torch.softmax(scores, dim=-1).to(q_BhCd.dtype)
     out = weights[..., :end] @ v0
     for j, vj in enumerate(diag_values):
-        out = out + weights[..., end + j, None] * _repeat_kv(vj[:, :, start:end], heads)
+        out = out + weights[..., end + j, None] * _repeat_kv(vj[:, :, local:local + C], heads)
     return out
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """The positions [start, end) of a sample that this rank computes; `group` is the sequence-parallel
+    group whose ranks hold the other shards (None: one process holds the whole sample). Shards are of
+    equal length; the last one runs past the sample's end, and those positions are never attended to
+    (causal) nor counted. Every rank holds the whole sample's token ids and teacher; the head's
+    activations exist only for its own shard."""
+    start: int
+    end: int
+    group: object = None
+
+    @classmethod
+    def split(cls, num_tokens: int, rank: int, size: int, group=None) -> "SequenceShard":
+        length = -(-num_tokens // size)
+        return cls(rank * length, (rank + 1) * length, group)
+
+    def local(self, x_BT):
+        """x[:, start:end] along dim 1, zero-padded past the sample's end."""
+        part = x_BT[:, self.start:self.end]
+        missing = (self.end - self.start) - part.shape[1]
+        return part if missing == 0 else torch.cat([part, part.new_zeros(part.shape[0], missing, *part.shape[2:])], dim=1)
+
+    def gather(self, x_BhLd):
+        """Every shard's keys (or values) in sequence order, differentiable (backward sums each shard's share)."""
+        if self.group is None:
+            return x_BhLd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+        return all_gather_single_autograd(x_BhLd.contiguous(), gather_dim=2, group=self.group)
+
+    def total(self, x):
+        """A metric summed over the group's shards (no gradient)."""
+        if self.group is None:
+            return x
+        import torch.distributed as dist
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
 
 
 def query_block(batch_heads: int, num_queries: int, num_keys: int, budget: int | None = None) -> int:
@@ -51,28 +92,44 @@ def query_block(batch_heads: int, num_queries: int, num_keys: int, budget: int |
 
 class TTTAttention:
     """Holds the keys/values of every unrolled step. `at(i)` is step i's attention function: it
-    (re)places step i's keys, so a checkpointed step recomputed in backward sees what it saw first."""
+    (re)places step i's keys, so a checkpointed step recomputed in backward sees what it saw first.
+    Under sequence parallelism (`shard.group`) the step-0 keys and values of every shard are gathered;
+    a later step's diagonal keys are its own positions', so they never leave the rank."""
 
-    def __init__(self, budget: int | None = None):
-        self.keys, self.values, self.budget = [], [], budget
+    def __init__(self, budget: int | None = None, shard: SequenceShard | None = None):
+        self.keys, self.values, self.budget, self.shard = [], [], budget, shard
 
     def at(self, i: int):
         return lambda q, k, v: self._attend(i, q, k, v)
 
     def _attend(self, i: int, q_BhTd, k, v):
         del self.keys[i:], self.values[i:]
-        self.keys.append(k)
-        self.values.append(v)
+        sharded = self.shard is not None and self.shard.group is not None
+        self.keys.append(self.shard.gather(k) if i == 0 and sharded else k)
+        self.values.append(self.shard.gather(v) if i == 0 and sharded else v)
         heads, T = q_BhTd.shape[1], q_BhTd.shape[2]
-        if i == 0:
+        if i == 0 and not sharded:
             return F.scaled_dot_product_attention(q_BhTd, k, v, is_causal=True, enable_gqa=heads != k.shape[1])
-        step = query_block(q_BhTd.shape[0] * heads, T, T + i, self.budget)
+        start = self.shard.start if sharded else 0
+        step = query_block(q_BhTd.shape[0] * heads, T, start + T + i, self.budget)
+        args = (self.keys[0], self.values[0], self.keys[1:], self.values[1:])
         if step >= T:
-            return _block_attention(q_BhTd, self.keys[0], self.values[0], self.keys[1:], self.values[1:], 0)
-        blocks = [checkpoint(_block_attention, q_BhTd[:, :, s:s + step], self.keys[0], self.values[0],
-                             self.keys[1:], self.values[1:], s, use_reentrant=False)
+            return _block_attention(q_BhTd, *args, start, 0)
+        blocks = [checkpoint(_block_attention, q_BhTd[:, :, s:s + step], *args, start + s, s, use_reentrant=False)
                   for s in range(0, T, step)]
         return torch.cat(blocks, dim=2)
+
+
+def shard_of(batch: dict) -> SequenceShard:
+    """The batch's sequence shard (train/trainer.py sets one under train.sequence_parallel), else the whole sample."""
+    return batch.get("sequence_shard") or SequenceShard(0, batch["input_ids"].shape[1])
+
+
+def step_targets(shard: SequenceShard, num_tokens: int, i: int) -> tuple[int, slice]:
+    """(how many of this shard's positions predict a token at unrolled step i, where their targets are):
+    position t's step-i prediction is token t + 2 + i, read at the teacher's index t + 1 + i."""
+    count = max(0, min(shard.end, num_tokens - 1 - i) - shard.start)
+    return count, slice(shard.start + 1 + i, shard.start + 1 + i + count)
 
 
 def ttt_step(head, checkpointed: bool, *args, **kwargs):

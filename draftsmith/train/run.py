@@ -89,6 +89,8 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)
     head = spec.model.from_target(target_config, recipe.head, layer_ids)
     head.checkpoint_steps = recipe.train.activation_checkpointing
+    if isinstance(head.config.get("draftsmith"), dict):  # the position range it learns, carried into its exports
+        head.config["draftsmith"]["trained_max_tokens"] = min(recipe.data.max_length, recipe.train.max_batch_tokens)
     if recipe.head.lora is not None:
         train_idx, _ = B.split_indices(len(dataset))
         source, joint, lm_head = _joint(recipe, dataset, head, accelerator,

@@ -86,7 +86,9 @@ class Trainer:
         # (target.parallel) read the same batch; with a whole target per rank, replica = rank
         from draftsmith.targets.parallel import layout_for
         layout = layout_for(recipe, "train")
-        self.data_world, self.data_rank = layout.dp, layout.replica
+        self.sequence_group, self.sequence_rank = self._sequence_parallel(layout, head)
+        size = self.cfg.sequence_parallel  # the ranks of one sequence-parallel group read the same sample
+        self.data_world, self.data_rank = layout.dp // size, layout.replica // size
         world, rank = self.data_world, self.data_rank
         self.batches_per_epoch = len(B.epoch_order(len(source), self.cfg.seed, 0, rank, world, self.cfg.batch_size))
         if self.batches_per_epoch == 0:
@@ -112,6 +114,25 @@ class Trainer:
         self.step = self.micro_step = self.tokens = 0
         self.log = MetricsLog(train_dir(recipe) / "metrics.jsonl", accelerator.is_main_process)
 
+    def _sequence_parallel(self, layout, head):
+        """(this rank's sequence-parallel group, its rank in it) under train.sequence_parallel > 1: consecutive
+        ranks split each sample's positions (heads/ttt.py SequenceShard); (None, 0) otherwise."""
+        size = self.cfg.sequence_parallel
+        if size == 1:
+            return None, 0
+        why = ("train.sequence_parallel must be >= 1" if size < 1 else
+               f"the {layout.dp} data-parallel processes are not a multiple of it" if layout.dp % size else
+               f"head.kind={head.kind!r} has no sequence-parallel loss (eagle3, eagle2 and mtp have)"
+               if not getattr(head, "sequence_parallel", False) else
+               "a sharded target (target.parallel) is not combined with it in this release" if layout.tp * layout.pp > 1 else
+               "joint training (head.lora) is not combined with it in this release" if self.recipe.head.lora else None)
+        if why:
+            raise ValueError(f"train.sequence_parallel={size}: {why}")
+        import torch.distributed as dist
+        world, rank = dist.get_world_size(), dist.get_rank()
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+        return groups[rank // size], rank % size
+
     # ------------------------------------------------------------ batches
 
     def micro_batches(self):
@@ -135,7 +156,12 @@ class Trainer:
             batch = self.completer(batch)
         elif "teacher" not in batch:  # a final-hidden store: the feature at p is the teacher for token p+1
             batch["teacher"] = batch["aux"]
-        return B.teacher_targets(batch, self.lm_head, self.d2t, self.t2d)
+        batch = B.teacher_targets(batch, self.lm_head, self.d2t, self.t2d)
+        if self.sequence_group is not None:
+            from draftsmith.heads.ttt import SequenceShard
+            batch["sequence_shard"] = SequenceShard.split(batch["input_ids"].shape[1], self.sequence_rank,
+                                                          self.cfg.sequence_parallel, self.sequence_group)
+        return batch
 
     # ------------------------------------------------------------ loop
 
@@ -149,7 +175,8 @@ class Trainer:
                     f"train: non-finite loss ({float(loss.detach())}) at step {self.step} (micro step {self.micro_step}); "
                     f"nothing of this step was applied and the last checkpoint is intact: check the head's initial "
                     f"weights, train.lr ({self.cfg.lr}) and the data")
-            self.accelerator.backward(loss)
+            # a shard's loss is its share of the sample's: DDP's mean over all ranks becomes the mean over samples
+            self.accelerator.backward(loss * self.cfg.sequence_parallel)
             grad_norm = None
             if self.accelerator.sync_gradients:
                 grad_norm = self.clip_gradients()
@@ -159,7 +186,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.micro_step += 1
         self.tokens += int(batch["input_ids"].numel())
-        metrics["loss"] = loss.detach()
+        metrics.setdefault("loss", loss.detach())  # a sequence shard reports the whole sample's
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         return metrics
@@ -217,7 +244,7 @@ class Trainer:
         for start in range(0, len(indices), self.cfg.batch_size):
             batch = self.device_batch(self.eval_source.records(indices[start:start + self.cfg.batch_size]))
             loss, metrics = self.model(batch)
-            metrics["loss"] = loss
+            metrics.setdefault("loss", loss)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
             count += 1

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads.objective import soft_ce_sums
-from draftsmith.heads.ttt import TTTAttention, shift_left, ttt_step
+from draftsmith.heads.ttt import TTTAttention, shard_of, shift_left, step_targets, ttt_step
 
 
 def input_noise(features_BTH: torch.Tensor, width: float) -> torch.Tensor:
@@ -30,33 +30,34 @@ def eagle2_loss(head, batch: dict):
     target_probs_BTV (teacher at p predicts token p+1), target_valid_BT, target_argmax_BT, position_ids_BT."""
     ids, pos, features = batch["input_ids"], batch["position_ids"], batch["aux"]
     probs, valid, argmax = batch["target_probs"], batch["target_valid"], batch["target_argmax"]
-    T = ids.shape[1]
+    T, shard = ids.shape[1], shard_of(batch)
     h = features.to(head.fc.weight.dtype)
-    h = input_noise(h, head.input_noise) if head.training else h
-    attend = TTTAttention()
+    h = shard.local(input_noise(h, head.input_noise) if head.training else h)
+    attend = TTTAttention(shard=shard)
     total = torch.zeros((), device=ids.device)
     metrics = {}
     survive = torch.ones((), device=ids.device)
     sim_accept = torch.zeros((), device=ids.device)
     for i in range(head.ttt_steps):
-        n = T - 1 - i
-        if n <= 0:
+        if T - 1 - i <= 0:
             break
-        h = ttt_step(head, head.checkpoint_steps, shift_left(ids, 1 + i), h, pos + i, attend.at(i))
-        mask = valid[:, 1 + i:]
-        count = mask.sum().clamp(min=1)
-        token_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, 1 + i, mask, argmax[:, 1 + i:])
-        feature_loss = F.smooth_l1_loss(h[:, :n].float(), features[:, 1 + i:].float(), reduction="none").mean(-1)
+        h = ttt_step(head, head.checkpoint_steps, shard.local(shift_left(ids, 1 + i)), h, shard.local(pos) + i, attend.at(i))
+        n, targets = step_targets(shard, T, i)
+        mask = valid[:, targets]
+        count = valid[:, 1 + i:].sum().clamp(min=1)
+        token_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets])
+        feature_loss = F.smooth_l1_loss(h[:, :n].float(), features[:, targets].float(), reduction="none").mean(-1)
         feature_sum = (feature_loss * mask).sum()
         step_loss = (head.feature_weight * feature_sum + head.token_weight * token_sum) / count
         total = total + (head.loss_decay ** i) * step_loss
-        acc = hits[0].float() / count
+        acc = shard.total(hits[0]).float() / count
         survive = survive * acc.detach()
         sim_accept = sim_accept + survive
-        metrics[f"loss_{i}"] = step_loss.detach()
-        metrics[f"feature_loss_{i}"] = (feature_sum / count).detach()
-        metrics[f"token_loss_{i}"] = (token_sum / count).detach()
+        metrics[f"loss_{i}"] = shard.total(step_loss.detach())
+        metrics[f"feature_loss_{i}"] = shard.total(feature_sum.detach()) / count
+        metrics[f"token_loss_{i}"] = shard.total(token_sum.detach()) / count
         metrics[f"acc_{i}"] = acc.detach()
     metrics["sim_accept_len"] = sim_accept
     metrics["num_positions"] = valid.sum().detach()
+    metrics["loss"] = shard.total(total.detach())  # this shard's share is what backward sees
     return total, metrics

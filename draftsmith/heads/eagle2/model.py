@@ -74,6 +74,7 @@ def draft_config_from_target(target_config, fc_bias: bool | None = None, interme
 
 class Eagle2Head(DraftHead):
     kind = "eagle2"
+    sequence_parallel = True
     FROZEN = ("embed_tokens", "lm_head", "rotary")  # the target's embedding and lm_head
 
     def __init__(self, config: dict, ttt_steps: int = 1, loss_decay: float = 0.8, feature_weight: float = 1.0,

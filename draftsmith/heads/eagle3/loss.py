@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.objective import soft_ce_sums
-from draftsmith.heads.ttt import TTTAttention, shift_left, ttt_step
+from draftsmith.heads.ttt import TTTAttention, shard_of, shift_left, step_targets, ttt_step
 
 
 def ttt_loss(head, batch: dict):
@@ -19,28 +19,29 @@ def ttt_loss(head, batch: dict):
     position p predicts token p+1), target_valid_BT, target_argmax_BT (draft ids), position_ids_BT."""
     ids, pos = batch["input_ids"], batch["position_ids"]
     probs, valid, argmax = batch["target_probs"], batch["target_valid"], batch["target_argmax"]
-    T = ids.shape[1]
-    h = head.fc(batch["aux"].to(head.fc.weight.dtype))
-    attend = TTTAttention()
+    T, shard = ids.shape[1], shard_of(batch)
+    h = head.fc(shard.local(batch["aux"]).to(head.fc.weight.dtype))
+    attend = TTTAttention(shard=shard)
     total = torch.zeros((), device=ids.device)
     metrics = {}
     survive, sim_accept = torch.ones((), device=ids.device), torch.zeros((), device=ids.device)
     for i in range(head.ttt_steps):
-        n = T - 1 - i
-        if n <= 0:
+        if T - 1 - i <= 0:
             break
-        h = ttt_step(head, head.checkpoint_steps, shift_left(ids, 1 + i), h, pos + i, attend.at(i))
-        mask = valid[:, 1 + i:]
-        count = mask.sum().clamp(min=1)
-        ce_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, 1 + i, mask, argmax[:, 1 + i:])
+        h = ttt_step(head, head.checkpoint_steps, shard.local(shift_left(ids, 1 + i)), h, shard.local(pos) + i, attend.at(i))
+        n, targets = step_targets(shard, T, i)
+        mask = valid[:, targets]
+        count = valid[:, 1 + i:].sum().clamp(min=1)
+        ce_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets])
         step_loss = ce_sum / count
         total = total + (head.loss_decay ** i) * step_loss
-        acc = hits[0].float() / count
+        acc = shard.total(hits[0]).float() / count
         survive = survive * acc.detach()
         sim_accept = sim_accept + survive
-        metrics[f"loss_{i}"] = step_loss.detach()
+        metrics[f"loss_{i}"] = shard.total(step_loss.detach())
         metrics[f"acc_{i}"] = acc.detach()
     # metrics stay on the device (no host sync per step); the trainer reads them when it logs
     metrics["sim_accept_len"] = sim_accept
     metrics["num_positions"] = valid.sum().detach()
+    metrics["loss"] = shard.total(total.detach())  # this shard's share is what backward sees
     return total, metrics

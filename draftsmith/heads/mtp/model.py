@@ -68,6 +68,7 @@ class MTPModule(nn.Module):
 
 class MTPHead(DraftHead):
     kind = "mtp"
+    sequence_parallel = True
     FROZEN = ("embed_tokens", "lm_head", "rotary")
 
     def __init__(self, config: dict, ttt_steps: int = 1, beta: float = DEFAULT_BETA):

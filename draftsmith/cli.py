@@ -64,6 +64,10 @@ def _load(args) -> recipe_mod.Recipe:
     from draftsmith.heads.registry import capture_needs
     recipe = recipe_mod.load(args.recipe, args.overrides)
     capture_needs(recipe.head.kind)  # an unknown head.kind fails here, listing the valid kinds
+    if args.stage != "plan" or not getattr(args, "config", None):  # every stage reads the target, plan its config
+        from draftsmith.targets.loading import check_model_path
+        if recipe.target.embedded is None:
+            check_model_path(recipe.target.model)
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     from draftsmith.targets.parallel import is_first_rank
     if is_first_rank():  # the other ranks of a launch resolved the same recipe

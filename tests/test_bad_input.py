@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from pathlib import Path
 import torch
 
 from conftest import micro_recipe, write_jsonl
@@ -216,3 +217,41 @@ def test_exported_directories_given_to_validate(micro_pipeline, tmp_path, config
         save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=message):
         load_head(tmp_path, AutoConfig.from_pretrained(micro_pipeline.target.model))
+
+
+def test_a_target_that_cannot_be_fetched_stops_every_stage_in_one_line(monkeypatch, capsys):
+    """No network and no cache (HF_HUB_OFFLINE here, as on a machine without the Hub): `plan` and the stages
+    stop with one line naming target.model and what to do, not a traceback after retries."""
+    from draftsmith import cli
+    from draftsmith.targets import loading
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-draftsmith-cache")
+    loading.check_hub_model.cache_clear()
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes/llama-3.1-8b-instruct/eagle3.yaml")
+    for argv in (["plan", "--recipe", recipe, "--gpus", "1", "--gpu-memory-gb", "80"], ["data", "--recipe", recipe]):
+        assert cli.main(argv + ["target.model=no-such-org/no-such-model", "out_dir=/tmp/draftsmith-unfetched"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "target.model='no-such-org/no-such-model'" in err and "hf download" in err
+
+
+@pytest.mark.parametrize("error, says", [("GatedRepoError", "gated repository.*HF_TOKEN"),
+                                         ("RepositoryNotFoundError", "no such repository on the Hub.*mistyped")])
+def test_gated_and_mistyped_hub_ids_say_what_to_do(monkeypatch, error, says):
+    import socket
+    import huggingface_hub
+    import huggingface_hub.errors as hub_errors
+    from draftsmith.targets import loading
+
+    class Reached:
+        def close(self):
+            pass
+
+    def refuse(*args, **kwargs):
+        raise getattr(hub_errors, error).__new__(getattr(hub_errors, error))  # as the client raises it, minus the HTTP reply
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: Reached())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+    loading.check_hub_model.cache_clear()
+    with pytest.raises(ValueError, match=f"target.model='org/model'.*{says}"):
+        loading.check_hub_model("org/model")
+    loading.check_hub_model.cache_clear()

@@ -163,3 +163,20 @@ def test_import_rules():
         assert not any(n.startswith(("draftsmith.heads", "draftsmith.train")) for n in imports(path)), path
     for path in (root / "runtime").rglob("*.py"):
         assert not any(n.startswith("draftsmith.train") for n in imports(path)), path
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("cohere2", {"layer_norm_eps": 1e-5}), ("lfm2", {"norm_eps": 1e-5}), ("gpt_oss", {}), ("gemma3_text", {}),
+    ("qwen3_next", {}), ("llama4_text", {})])
+def test_head_config_from_targets_that_name_sizes_otherwise(model_type, extra):
+    """A Llama draft layer for any target: sizes read under the target's own names, Llama defaults (listed)
+    where it has none, SiLU whatever the target's MLP."""
+    from transformers import AutoConfig
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  vocab_size=100, num_hidden_layers=4, **extra)
+    cfg = draft_config_from_target(config, 50, [1, 2, 3])
+    if extra:
+        assert cfg["rms_norm_eps"] == next(iter(extra.values())) and "rms_norm_eps" not in cfg["draftsmith"]["defaults"]
+    assert cfg["hidden_act"] == "silu" and cfg["draftsmith"]["target_model_type"] == model_type
+    head = Eagle3Head(cfg)
+    assert head.midlayer.self_attn.q_proj.weight.shape[0] == 4 * cfg["head_dim"]

@@ -55,6 +55,9 @@ def test_engine_layout_matches_published_heads(validated, tmp_path, engine):
     assert list(tensors["midlayer.self_attn.q_proj.weight"].shape) == [config["num_attention_heads"] * config["head_dim"], 2 * h]
     assert list(tensors["lm_head.weight"].shape) == [config["draft_vocab_size"], h]
     assert list(tensors["t2d"].shape) == [config["vocab_size"]] and int(tensors["t2d"].sum()) == config["draft_vocab_size"]
+    # the position range it was trained for travels with it; RoPE is the target's (served at the target's context)
+    assert config["draftsmith_export"]["trained_max_tokens"] == min(validated.data.max_length, validated.train.max_batch_tokens)
+    assert "trained on samples of up to" in (tmp_path / engine / "README.md").read_text()
 
 
 def test_speculators_layout_matches_published_heads(validated, tmp_path):
@@ -162,3 +165,7 @@ def test_validate_accepts_exported_directories(validated, tmp_path):
     assert summary["exact_match"] is True
     report = json.loads((tmp_path / "val" / "validation.json").read_text())
     assert report["head_format"] == "speculators"
+    # the reference is the model's own generate too (its dynamic cache), prompt by prompt, and rounds by position
+    assert report["exact_vs_generate"] and report["num_exact_vs_generate"] == report["num_prompts"] > 0
+    assert sum(b["num_rounds"] for b in report["screen"]["per_position"].values()) == report["num_rounds"]
+    assert "to the model's own `generate`" in (tmp_path / "val" / "report.md").read_text()

@@ -78,11 +78,19 @@ def card(title: str, engine: str, meta: dict, validation: dict | None, serve: st
              f"- target: `{meta.get('target_id')}`",
              f"- data: {data.get('builtin') or [s.get('path') for s in data.get('sources', [])]}",
              f"- training steps: {meta.get('step')}, tokens: {meta.get('tokens')}"] + [f"- {fact}" for fact in facts]
+    draft = meta.get("draft_config") or {}
+    trained = (draft.get("draftsmith") or {}).get("trained_max_tokens")
+    if trained:
+        lines.append(f"- trained on samples of up to {trained} tokens; RoPE as the target's (max_position_embeddings "
+                     f"{draft.get('max_position_embeddings')}, rope_scaling {json.dumps(draft.get('rope_scaling'))}), so "
+                     "engines serve it at the target's context; validation reports tau by position (validation.json)")
     if validation:
         alpha = ", ".join(f"{a:.2f}" for a in validation["acceptance_per_depth"])
         lines += [f"- validated: tau {validation['tau']:.2f}, acceptance per depth {alpha}, "
                   f"speedup {validation['speedup_vs_plain']:.2f}x (draftsmith runtime, {validation['device']})",
-                  f"- greedy output identical to plain decoding on {validation['num_exact']}/{validation['num_prompts']} prompts"]
+                  f"- greedy output identical to plain decoding on {validation['num_exact']}/{validation['num_prompts']} prompts"
+                  + (f", to the target's own `generate` on {validation['num_exact_vs_generate']}/{validation['num_prompts']}"
+                     if "num_exact_vs_generate" in validation else "")]
         if validation["speedup_vs_plain"] < 1:
             lines.append(f'- <span style="color:red">**slower than plain decoding where it was validated '
                          f'({validation["speedup_vs_plain"]:.2f}x on {validation["device"]})**</span>')

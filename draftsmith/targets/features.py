@@ -38,6 +38,18 @@ class FeatureNeeds:
 FINAL = FeatureNeeds("final")
 
 
+def decoder_of(model):
+    """The module holding the decoder layers (`layers`) wherever an architecture keeps it: usually what
+    `get_decoder()` returns, `model` for Llama 4's text model (its get_decoder() returns the whole model),
+    a multimodal wrapper's `language_model`."""
+    inner = getattr(model, "model", None)
+    for candidate in (model.get_decoder(), inner, getattr(inner, "language_model", None), getattr(model, "language_model", None)):
+        if candidate is not None and isinstance(getattr(candidate, "layers", None), torch.nn.ModuleList):
+            return candidate
+    raise ValueError(f"{type(model).__name__}: no decoder layers (a `layers` list) found under get_decoder(), .model "
+                     "or .language_model; draftsmith reads hidden states from the decoder layers")
+
+
 class Skip(torch.nn.Module):
     """Stands in for a decoder layer whose output nobody reads: passes the hidden state through."""
 
@@ -53,7 +65,7 @@ class FeatureExtractor:
 
     def __init__(self, model, layer_ids: list[int], stop_after_features: bool = False):
         self.model, self.layer_ids = model, layer_ids
-        self.decoder = model.get_decoder()
+        self.decoder = decoder_of(model)
         self._captured: dict[int, torch.Tensor] = {}
         self.handles = [self.decoder.register_forward_hook(self._keep_final)]
         for k in layer_ids:
@@ -112,7 +124,7 @@ class FeatureCompleter:
         self.dtype = model.get_input_embeddings().weight.dtype
         self._high: torch.Tensor | None = None
         self._fed = False
-        model.get_decoder().layers[layer_ids[-1]].register_forward_pre_hook(self._feed, with_kwargs=True)
+        decoder_of(model).layers[layer_ids[-1]].register_forward_pre_hook(self._feed, with_kwargs=True)
 
     def _feed(self, _module, args, kwargs):
         """Replace the hidden state entering layer ids[-1] with the stored high feature."""

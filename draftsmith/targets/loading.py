@@ -3,13 +3,14 @@
 layers) by reading just the needed tensors from its safetensors files."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
 import torch
 
 from draftsmith.recipe import Recipe
-from draftsmith.targets.features import Skip
+from draftsmith.targets.features import Skip, decoder_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,6 +48,45 @@ def check_model_path(model: str, key: str = "target.model") -> None:
     if looks_local and not (Path(model) / "config.json").exists():
         raise ValueError(f"{key}={model!r}: no model directory with a config.json there "
                          f"(for the embedded default run `draftsmith target --recipe ...` first)")
+    if not looks_local:
+        check_hub_model(model, key)
+
+
+@functools.lru_cache(maxsize=None)
+def check_hub_model(model: str, key: str = "target.model") -> None:
+    """A hub id that cannot be fetched stops the stage within seconds, in one line that says what to do,
+    instead of a library traceback after a minute of retries. With the Hub out of reach, a cached copy is
+    used offline."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        if cached:
+            return
+        raise ValueError(f"{key}={model!r}: HF_HUB_OFFLINE is set and no cached copy exists; download it where there "
+                         f"is network (`hf download {model}`) and point {key} at that directory")
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError:
+        if cached:
+            os.environ["HF_HUB_OFFLINE"] = "1"  # transformers then reads the cache without retrying the Hub
+            print(f"{key}={model!r}: the Hub is out of reach; using the cached copy", flush=True)
+            return
+        raise ValueError(f"{key}={model!r} cannot be fetched: {endpoint.hostname} is out of reach and there is no cached "
+                         f"copy; download it where there is network (`hf download {model}`) and point {key} at that "
+                         "local directory") from None
+    try:
+        hf_hub_download(model, "config.json", etag_timeout=10)
+    except GatedRepoError:
+        raise ValueError(f"{key}={model!r} is a gated repository: accept its license on its Hub page, then log in "
+                         "(`hf auth login`) or set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"{key}={model!r}: no such repository on the Hub (mistyped, or private: set HF_TOKEN) and no "
+                         "local directory of that name") from None
 
 
 def load_tokenizer(recipe: Recipe):
@@ -60,7 +100,9 @@ def load_tokenizer(recipe: Recipe):
 
 
 def load_target(recipe: Recipe, device: torch.device | None = None, layout=None, stage: str = "validate"):
-    """Any AutoModelForCausalLM, frozen, in eval mode, SDPA attention. With a sharded `layout`
+    """Any AutoModelForCausalLM, frozen, in eval mode, with the model's own default attention (SDPA where it
+    has it, eager for models such as gpt-oss and Gemma 2 that implement sinks or soft-capping there), or
+    `target.attn_implementation`. With a sharded `layout`
     (targets/parallel.py) transformers shards it at load time over the launch's process group, each
     rank reading only its shard; the layout is checked against the config first (and, by the stage,
     against the device's memory: plan.check_before_loading), so a layout that cannot work fails before
@@ -71,12 +113,13 @@ def load_target(recipe: Recipe, device: torch.device | None = None, layout=None,
     device = device or pick_device()
     dtype = resolve_dtype(recipe.target.dtype, device)
     if layout is None or not layout.sharded:
-        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype,
+                                                     attn_implementation=recipe.target.attn_implementation)
         model.requires_grad_(False)
         return model.eval().to(device)
     parallel.check_config(layout, AutoConfig.from_pretrained(recipe.target.model))
     parallel.init_process_group()
-    model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation=recipe.target.attn_implementation,
                                                  distributed_config=layout.distributed_config())
     model.requires_grad_(False)
     return model.eval()
@@ -90,7 +133,7 @@ def _empty_target(model_dir: str):
     check_model_path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config)
     return config, model
 
 
@@ -133,7 +176,7 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
     are read from the safetensors files, so a 70B target costs a few layers of memory."""
     config, model = _empty_target(recipe.target.model)
-    layers = model.get_decoder().layers
+    layers = decoder_of(model).layers
     for i in skip:
         layers[i] = Skip()
     head = _weight_name(model, model.get_output_embeddings())

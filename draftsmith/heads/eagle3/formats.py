@@ -26,8 +26,16 @@ def _eagle3_hf_config(config: dict, ids: list[int], dtype: str, engine: str) -> 
                target_hidden_size=config["target_hidden_size"], tie_word_embeddings=False, **dtype_keys(dtype),
                norm_before_residual=False, attention_bias=False, mlp_bias=False,
                eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-               **{EXPORT_MARK: {"engine": engine, "layer_convention": engine, "draftsmith_layer_ids": config["draftsmith"]["layer_ids"]}})
+               **{EXPORT_MARK: {"engine": engine, "layer_convention": engine, "draftsmith_layer_ids": config["draftsmith"]["layer_ids"],
+                                **_trained_range(config)}})
     return out
+
+
+def _trained_range(config: dict) -> dict:
+    """The longest sample it was trained on; RoPE (theta, scaling, max positions) is the target's, so an
+    engine serves it over the target's whole context."""
+    tokens = config["draftsmith"].get("trained_max_tokens")
+    return {"trained_max_tokens": tokens} if tokens else {}
 
 
 def to_sglang(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:

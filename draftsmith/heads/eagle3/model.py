@@ -21,26 +21,51 @@ from draftsmith.heads.base import DraftHead
 from draftsmith.heads.eagle3.loss import ttt_loss
 
 
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 10000.0}
+ALIASES = {"rms_norm_eps": ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")}
+
+
+def _target_value(t, key: str, used_defaults: list[str]):
+    """A Llama-layer size from a target config that may name it otherwise (Cohere's layer_norm_eps, LFM2's
+    norm_eps...); the Llama default, recorded in `used_defaults`, where it names it nowhere."""
+    for name in ALIASES.get(key, (key,)):
+        value = getattr(t, name, None)
+        if value is not None:
+            return value
+    used_defaults.append(key)
+    return LLAMA_DEFAULTS[key]
+
+
 def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],
                              intermediate_size: int | None = None) -> dict:
-    """The head's HF-style config, sized from the target (Llama, Qwen2/3, Mistral...)."""
+    """The head's HF-style config: a Llama layer sized from the target, whatever its family (dense,
+    windowed, hybrid or MoE); sizes a target names otherwise are read under their names, and the ones it
+    lacks take Llama defaults, listed in `draftsmith.defaults`."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    defaults: list[str] = []
     rope = dict(getattr(t, "rope_parameters", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+    rope_theta = rope.get("rope_theta", getattr(t, "rope_theta", None))
+    if rope_theta is None:
+        rope_theta = _target_value(t, "rope_theta", defaults)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if scaling.get("rope_type", "default") == "default":
         scaling = None
+    heads = t.num_attention_heads
+    mlp = intermediate_size or getattr(t, "intermediate_size", None) or getattr(t, "ffn_dim", None) or 4 * t.hidden_size
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": t.hidden_size, "target_hidden_size": t.hidden_size,
-        "intermediate_size": intermediate_size or t.intermediate_size,
-        "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
-        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-        "num_hidden_layers": 1, "rms_norm_eps": t.rms_norm_eps, "hidden_act": getattr(t, "hidden_act", "silu"),
-        "max_position_embeddings": t.max_position_embeddings, "rope_theta": rope_theta, "rope_scaling": scaling,
+        "intermediate_size": mlp,
+        "num_attention_heads": heads, "num_key_value_heads": getattr(t, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // heads,
+        "num_hidden_layers": 1, "rms_norm_eps": _target_value(t, "rms_norm_eps", defaults),
+        "hidden_act": "silu",  # the engines' Llama draft layer runs SiLU whatever the target's MLP does
+        "max_position_embeddings": _target_value(t, "max_position_embeddings", defaults),
+        "rope_theta": rope_theta, "rope_scaling": scaling,
         "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
         "bos_token_id": getattr(t, "bos_token_id", None), "eos_token_id": getattr(t, "eos_token_id", None),
-        "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer"},
+        "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer", "defaults": defaults,
+                       "target_model_type": getattr(t, "model_type", None)},
     }
 
 
@@ -106,6 +131,7 @@ def default_layer_ids(num_target_layers: int) -> list[int]:
 class Eagle3Head(DraftHead):
     """The EAGLE-3 head. `config` is the HF-style dict from `draft_config_from_target`."""
     kind = "eagle3"
+    sequence_parallel = True
 
     def __init__(self, config: dict, ttt_steps: int = 7, loss_decay: float = 0.8):
         super().__init__()

@@ -267,9 +267,9 @@ def test_compiled_fixed_shape_steps_trace_and_stay_exact(tiny):
         assert plain_generate(runner, prompt, 16, GREEDY, set()).tokens == base.tokens
 
 
-def test_generate_reference_stops_after_eos_and_rounds_bucket_by_position():
+def test_rounds_are_bucketed_by_the_position_they_drafted_at():
     from draftsmith.runtime import validate as V
     assert V._length_bucket(100) == "0-127" and V._length_bucket(5000) == "2048-8191" and V._length_bucket(40000) == ">=32768"
-    buckets = V._by_position([[3, 3], [0]], [torch.zeros(120), torch.zeros(600)], depth=4)
-    assert buckets["0-127"]["num_rounds"] == 1 and buckets["128-511"]["num_rounds"] == 1   # 120, then 124
+    buckets = V._by_position([[3, 3], [0]], [torch.zeros(125), torch.zeros(600)], depth=4)
+    assert buckets["0-127"]["num_rounds"] == 1 and buckets["128-511"]["num_rounds"] == 1   # at 125, then 125 + 4
     assert buckets["512-2047"]["tau"] == 1.0 and list(buckets) == ["0-127", "128-511", "512-2047"]

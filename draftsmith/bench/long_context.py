@@ -18,13 +18,14 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 HEAD = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
         "vocab_size": 32000, "draft_vocab_size": 8192, "ttt_steps": 7}
 SIZES = [512, 1024, 2048, 4096, 8192, 16384, 32768]
-SETTINGS = {"whole": SIZES[:5], "blocked": SIZES[:6], "blocked+ckpt": SIZES}
+SETTINGS = {"whole": SIZES[:5], "blocked": SIZES[:5], "blocked+ckpt": SIZES}
 MEMORY_CAP_GB = 23
 
 
@@ -77,15 +78,25 @@ def _run_point(num_tokens: int, setting: str) -> dict:
     return {"fits": True, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-def bench_long_context(settings: dict = SETTINGS) -> dict:
+PARTIAL = Path("BENCHMARKS.long_context.partial.json")  # points measured so far: a killed sweep resumes
+
+
+def bench_long_context(settings: dict = SETTINGS, partial: Path = PARTIAL) -> dict:
+    """Every (setting, tokens) point in a fresh process, up to the first that does not fit; each point is
+    saved as it is measured, and a rerun keeps the saved points of the same head."""
     out = {"head": HEAD, "threads": torch.get_num_threads(), "memory_cap_gb": MEMORY_CAP_GB, "points": {}}
+    saved = json.loads(partial.read_text()) if partial.exists() else {}
+    if saved.get("head") == HEAD:
+        out["points"] = saved["points"]
     for setting, sizes in settings.items():
         for T in sizes:
-            point = _run_point(T, setting)
+            point = out["points"].get(setting, {}).get(str(T)) or _run_point(T, setting)
             out["points"].setdefault(setting, {})[str(T)] = point
+            partial.write_text(json.dumps(out, indent=1))
             print(f"[bench] long_context {setting} T={T}: {point}", flush=True)
             if not point["fits"]:
                 break
+    partial.unlink(missing_ok=True)
     return out
 
 

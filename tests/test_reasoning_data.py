@@ -25,15 +25,9 @@ def with_template(tokenizer, name: str):
 
 
 def masked(tokenizer, messages) -> tuple[str, list[str]]:
+    from test_conversations import masked_spans
     ids, mask = conv.encode_conversation(tokenizer, {"id": "x", "messages": messages}, None)
-    spans, current = [], []
-    for token, m in zip(ids + [None], mask + [0]):
-        if m:
-            current.append(token)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return tokenizer.decode(ids), spans
+    return tokenizer.decode(ids), masked_spans(tokenizer, ids, mask)
 
 
 def test_qwen3_thinking_masks_reasoning_and_answer(tokenizer):

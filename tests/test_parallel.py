@@ -159,7 +159,7 @@ def test_plan_llama_70b_on_one_8_gpu_node():
 def test_plan_long_samples_grow_linearly_and_fit_with_checkpointing():
     """The head's training step at 4K-64K tokens per sample (Qwen3-8B thinking recipe): at most 2.2x per doubling,
     and the 32K recipe fits one 80 GB device only with train.activation_checkpointing."""
-    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/eagle3-thinking-32k.yaml")
+    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/thinking-32k-eagle3.yaml")
     facts = plan.target_facts(target_config("Qwen/Qwen3-8B"))
     for checkpointing in (False, True):
         recipe.train.activation_checkpointing = checkpointing
@@ -168,7 +168,7 @@ def test_plan_long_samples_grow_linearly_and_fit_with_checkpointing():
             recipe.train.max_batch_tokens = tokens
             sizes.append(plan.head_activation_bytes(recipe, facts))
         assert all(b / a <= 2.2 for a, b in zip(sizes, sizes[1:]))
-    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/eagle3-thinking-32k.yaml")
+    recipe = recipe_mod.load(ROOT / "recipes/qwen3-8b/thinking-32k-eagle3.yaml")
     assert plan.make_plan(recipe, target_config("Qwen/Qwen3-8B"), 1, 80)["stages"]["train"]["fits"]
     recipe.train.activation_checkpointing = False
     assert not plan.make_plan(recipe, target_config("Qwen/Qwen3-8B"), 1, 80)["stages"]["train"]["fits"]

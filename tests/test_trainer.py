@@ -193,6 +193,7 @@ def test_two_process_first_step_matches_single_process(captured, tmp_path, confi
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_sequence_parallel_training_follows_the_single_process_curve(captured, tmp_path):
     """train.sequence_parallel=2 on 2 processes (DDP, gloo): both ranks read the same samples and split their
     positions, so the run follows the one-process run step by step (loss and updates), where plain data

@@ -1,8 +1,8 @@
 """Today's targets through the parts of the pipeline that read them, on tiny random models built from
 transformers' own configs: windowed and sink attention (gpt-oss, Gemma 2/3, Mistral, OLMo 3, EXAONE 4),
 chunked attention and MoE (Llama 4), linear attention and state-space layers (Qwen3-Next, Qwen3.5,
-Falcon-H1, Nemotron-H, LFM2), fused experts (GLM-4.5, MiniMax-M2). The runtime's per-layer caches for
-windows and recurrent states are issue #29's remaining work; these tests hold what works today."""
+Falcon-H1, Nemotron-H, LFM2), fused experts (GLM-4.5, MiniMax-M2): features and heads here, the runtime in
+test_layer_types.py, the whole pipeline in test_other_architectures.py."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM

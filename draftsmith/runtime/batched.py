@@ -27,6 +27,9 @@ class BatchRunner(TargetRunner):
 
     def __init__(self, model, batch_size: int, max_len: int, layer_ids: list[int], compile_mode: str | None = "auto"):
         super().__init__(model, max_len, layer_ids, compile_mode)
+        if self.recurrent and batch_size > 1:  # one state per row, each rolled back on its own: not done yet
+            raise ValueError(f"{model.config.model_type} has recurrent layers: draftsmith's batched runtime runs them at "
+                             "batch size 1 only (economics.batch_sizes: [1])")
         self.batch_size = batch_size
         self.lengths = [0] * batch_size
         self.scratch = 0
@@ -35,18 +38,9 @@ class BatchRunner(TargetRunner):
         super().reset()
         self.lengths = [0] * self.batch_size
 
-    def _batch_mask(self, tree_mask_BNN: torch.Tensor) -> torch.Tensor:
-        B, N, _ = tree_mask_BNN.shape
-        lengths_B = torch.tensor(self.lengths, device=self.device)
-        allowed = torch.arange(self.max_len, device=self.device)[None, None, :] < lengths_B[:, None, None]
-        allowed = allowed.expand(B, N, self.max_len).clone()
-        allowed[:, :, self.scratch:self.scratch + N] = tree_mask_BNN
-        mask = torch.zeros(B, N, self.max_len, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
-
-    def _decode(self, tokens_BN, positions_BN, mask_B1NL):
+    def _decode(self, tokens_BN, positions_BN, masks):
         self.extractor._captured.clear()
-        out = self.extractor.decoder(input_ids=tokens_BN, position_ids=positions_BN, attention_mask=mask_B1NL,
+        out = self.extractor.decoder(input_ids=tokens_BN, position_ids=positions_BN, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state
         aux = self.extractor.aux()
@@ -60,9 +54,12 @@ class BatchRunner(TargetRunner):
         if self.scratch + N > self.max_len:
             raise ValueError(f"sequence of {self.scratch + N} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.scratch)
+        if self.recurrent:  # batch size 1: the chain (and its padding nodes) rolls back in `commit_rows`
+            self._take_snapshot(tokens_BN[0])
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + depth_BN
         decode = self.decode_fixed if fixed else self._decode
-        return decode(tokens_BN, positions, self._batch_mask(tree_mask_BNN))
+        lengths = torch.tensor(self.lengths, device=self.device)
+        return decode(tokens_BN, positions, self._masks(tree_mask_BNN, lengths, self.scratch, depth_BN))
 
     def prefill_rows(self, prompts: list[torch.Tensor]):
         """Right-padded prompts in one forward: per row (last logits_V, features_TK)."""
@@ -81,6 +78,15 @@ class BatchRunner(TargetRunner):
         A = max(len(p) for p in paths)
         if A == 0:
             return
+        if self.recurrent and self._snapshot is not None and A < len(self._snapshot[0]):
+            tokens = self._restore_snapshot()[paths[0]]
+            self._snapshot = None
+            self.forward(tokens[None], torch.arange(A, device=self.device)[None],
+                         torch.ones(1, A, A, dtype=torch.bool, device=self.device).tril(), fixed=False)
+            self._snapshot = None
+            self.lengths = [self.lengths[0] + A]
+            return
+        self._snapshot = None
         src = torch.zeros(self.batch_size, A, dtype=torch.long, device=self.device)
         for b, path in enumerate(paths):
             if len(path):
@@ -89,6 +95,8 @@ class BatchRunner(TargetRunner):
         src = src + self.scratch
         dst = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(A, device=self.device)
         for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None:  # recurrent and MLP-only layers keep no KV
+                continue
             for cache in (layer.keys, layer.values):
                 H, D = cache.shape[1], cache.shape[3]
                 kept = cache.gather(2, src[:, None, :, None].expand(-1, H, -1, D))

@@ -1,18 +1,98 @@
-"""Target wrapper for any Hugging Face causal LM: a preallocated static KV cache, prefill, a
-one-pass verify over `prefix + tree` with a 4-D tree mask and depth-based positions, and a
-single gather-copy that commits the accepted path's KV.
+"""Target wrapper for any Hugging Face causal LM: a preallocated static cache, prefill, a one-pass
+verify over `prefix + tree` with 4-D tree masks and depth-based positions, and a single gather-copy that
+commits the accepted path's KV.
 
-The model's own modeling code runs unchanged: the tree enters only as `attention_mask` (4-D
-masks are used as-is) and `position_ids`; hidden states come from forward hooks."""
+The model's own modeling code runs unchanged: the tree enters only as `attention_mask` and
+`position_ids`; hidden states come from forward hooks. Every layer type transformers defines is
+taken from transformers itself: `get_layer_types_and_kwargs` says what each layer is, its masking
+overlays (`sliding_window_overlay`, `chunked_overlay`) shape each attention type's mask, and models
+with several types receive the dict of masks keyed by type that their forward reads.
+
+- Attention layers of every type (full, sliding, chunked) keep the whole sequence's KV in a
+  `StaticLayer`: a window or chunk is a mask over positions, never a truncation, so a tree's
+  rejected nodes can be dropped and its accepted ones committed exactly, however many windows
+  long the sequence grows. Sinks, soft-capping and NoPE layers are the model's own code.
+- Recurrent layers (gated DeltaNet, Mamba-2, short convolutions) keep transformers' own
+  linear-attention cache layers. They advance over a chain only: verification starts from a
+  snapshot of every conv and recurrent state, and when the chain is accepted in part the states go
+  back to the snapshot and the accepted tokens run again, so the state committed is exactly the
+  state after the last accepted one (engines keep one state per draft position in their kernels;
+  this costs one more forward over the accepted tokens). Trees are refused on these targets."""
 from __future__ import annotations
 
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin, StaticLayer,
+                                      get_layer_types_and_kwargs)
+from transformers.masking_utils import chunked_overlay, sliding_window_overlay
 
 from draftsmith.runtime.compile import maybe_compile
 from draftsmith.targets.features import FeatureExtractor
+
+ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+RECURRENT_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
+
+
+class LayerLayout:
+    """What each decoder layer of a target is, in transformers' own terms, and the masks it reads."""
+
+    def __init__(self, config):
+        text = config.get_text_config(decoder=True)
+        self.cache_types, self.cache_kwargs = get_layer_types_and_kwargs(text)
+        self.config_types = list(getattr(text, "layer_types", None) or self.cache_types)
+        unknown = sorted(set(self.cache_types) - ATTENTION_TYPES - RECURRENT_TYPES - {"dummy"})
+        if unknown:
+            raise ValueError(f"{text.model_type}: layer types {unknown} are not supported by draftsmith's runtime "
+                             f"(supported: {sorted(ATTENTION_TYPES | RECURRENT_TYPES)})")
+        # the overlay (on top of the tree/causal visibility) of each attention type, by the name the model reads
+        self.overlays = {}
+        for cache_type, kwargs in zip(self.cache_types, self.cache_kwargs):
+            if cache_type == "sliding_attention":
+                self.overlays["sliding_attention"] = ("sliding", kwargs["sliding_window"])
+            elif cache_type == "chunked_attention":
+                self.overlays["chunked_attention"] = ("chunked", kwargs["sliding_window"])
+            elif cache_type == "hybrid_sliding":
+                self.overlays["full_attention"] = ("sliding", kwargs["sliding_window"])
+            elif cache_type in ("full_attention", "hybrid"):
+                self.overlays.setdefault("full_attention", None)
+        self.recurrent = any(t in RECURRENT_TYPES for t in self.cache_types)
+        # one mask for every layer where every layer is of one attention type (the models without a dict)
+        self.single = len(set(self.cache_types)) == 1 and self.cache_types[0] in ATTENTION_TYPES
+
+    def cache(self, max_len: int) -> Cache:
+        layers = []
+        for cache_type, kwargs in zip(self.cache_types, self.cache_kwargs):
+            if cache_type in ATTENTION_TYPES:
+                layers.append(StaticLayer(max_cache_len=max_len))
+            elif cache_type in ("hybrid", "hybrid_sliding"):
+                layers.append(STATIC_LAYER_TYPE_MAPPING["hybrid"](max_cache_len=max_len, **{
+                    k: v for k, v in kwargs.items() if k != "sliding_window"}))
+            else:
+                layers.append(STATIC_LAYER_TYPE_MAPPING[cache_type](max_cache_len=max_len, **kwargs))
+        return Cache(layers=layers)
+
+    def masks(self, allowed_BNL: torch.Tensor, q_pos_BN: torch.Tensor, k_pos_BL: torch.Tensor, dtype):
+        """Additive [B, 1, N, L] masks: `allowed` (what the tree and the committed prefix let each query
+        see) intersected with each type's own overlay over RoPE positions; a dict by layer type unless
+        every layer is of one attention type."""
+        B = allowed_BNL.shape[0]
+        batch, q, k = torch.arange(B, device=allowed_BNL.device)[:, None, None], q_pos_BN[:, :, None], k_pos_BL[:, None, :]
+        out = {}
+        for name, overlay in self.overlays.items():
+            visible = allowed_BNL
+            if overlay is not None:
+                kind, size = overlay
+                fn = sliding_window_overlay(size) if kind == "sliding" else chunked_overlay(
+                    size, torch.zeros(B, dtype=torch.long, device=allowed_BNL.device))
+                visible = visible & fn(batch, 0, q, k)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            out[name] = mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        if self.single:
+            return next(iter(out.values()))
+        for name in set(self.config_types) | {"linear_attention"}:
+            out.setdefault(name, None)  # recurrent and MLP-only layers read no 4-D mask
+        return out
 
 
 class TargetRunner:
@@ -24,7 +104,10 @@ class TargetRunner:
         self.model, self.max_len = model, max_len
         self.extractor = FeatureExtractor(model, layer_ids)
         self.device, self.dtype = model.device, model.dtype
-        self.cache = self._full_attention_cache(model.config, max_len)
+        self.layout = LayerLayout(model.config)
+        self.cache = self.layout.cache(max_len)
+        self.recurrent = [layer for layer in self.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self._snapshot = None
         params = inspect.signature(self.extractor.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
@@ -33,44 +116,53 @@ class TargetRunner:
         # the prefill has a different length per prompt and stays eager
         self.decode_fixed = maybe_compile(self._decode, compile_mode, self.device)
 
-    @staticmethod
-    def _full_attention_cache(config, max_len: int) -> Cache:
-        """One preallocated full-attention layer per decoder layer. A sliding window (Mistral, some
-        Qwen2) changes nothing while the whole sequence fits in it, which is checked here."""
-        text = config.get_text_config()
-        window = getattr(text, "sliding_window", None)
-        uses_window = window and any(t != "full_attention" for t in (getattr(text, "layer_types", None) or ["sliding"]))
-        if uses_window and getattr(text, "use_sliding_window", True) and max_len > window:
-            raise ValueError(f"runtime length {max_len} exceeds the target's sliding window ({window}); "
-                             "lower validate.max_new_tokens or use shorter prompts")
-        return Cache(layers=[StaticLayer(max_cache_len=max_len) for _ in range(text.num_hidden_layers)])
-
     def reset(self) -> None:
         self.cache.reset()
         self.length = 0
+        self._snapshot = None
 
-    def _mask(self, tree_mask_NN: torch.Tensor) -> torch.Tensor:
-        """Additive [1, 1, N, max_len] mask: all committed positions visible, then the tree block."""
-        N = tree_mask_NN.shape[0]
-        allowed = torch.zeros(N, self.max_len, dtype=torch.bool, device=self.device)
-        allowed[:, :self.length] = True
-        allowed[:, self.length:self.length + N] = tree_mask_NN
-        mask = torch.zeros(N, self.max_len, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+    def _masks(self, tree_mask_BNN: torch.Tensor, lengths_B: torch.Tensor, scratch: int, depth_BN: torch.Tensor):
+        """Row b sees its committed [0, lengths_b) and its own tree block at [scratch, scratch + N),
+        whose keys sit at positions lengths_b + depth."""
+        B, N, _ = tree_mask_BNN.shape
+        slots = torch.arange(self.max_len, device=self.device)
+        allowed = (slots[None, None, :] < lengths_B[:, None, None]).expand(B, N, self.max_len).clone()
+        allowed[:, :, scratch:scratch + N] = tree_mask_BNN
+        q_pos = lengths_B[:, None] + depth_BN
+        k_pos = slots[None, :].expand(B, self.max_len).clone()
+        k_pos[:, scratch:scratch + N] = q_pos
+        return self.layout.masks(allowed, q_pos, k_pos, self.dtype)
 
     def _set_length(self, length: int) -> None:
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
+            if getattr(layer, "is_initialized", False) and getattr(layer, "cumulative_length", None) is not None:
                 layer.cumulative_length.fill_(length)
         self.length = length
 
-    def _decode(self, tokens_1N, positions_1N, mask_11NL):
+    def _decode(self, tokens_1N, positions_1N, masks):
         self.extractor._captured.clear()
-        out = self.extractor.decoder(input_ids=tokens_1N, position_ids=positions_1N, attention_mask=mask_11NL,
+        out = self.extractor.decoder(input_ids=tokens_1N, position_ids=positions_1N, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state[0]
         aux = self.extractor.aux()
         return self.lm_head(final).float(), final if aux is None else aux[0], final
+
+    def _take_snapshot(self, tokens_N: torch.Tensor) -> None:
+        """Every conv and recurrent state as it is before a chain runs, with the chain's tokens."""
+        states = [({i: s.clone() if s is not None else None for i, s in layer.conv_states.items()},
+                   {i: s.clone() if s is not None else None for i, s in layer.recurrent_states.items()},
+                   dict(layer.has_previous_state)) for layer in self.recurrent]
+        self._snapshot = (tokens_N, states)
+
+    def _restore_snapshot(self) -> torch.Tensor:
+        tokens_N, states = self._snapshot
+        for layer, (conv, recurrent, previous) in zip(self.recurrent, states):
+            for store, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+                for i, state in saved.items():
+                    if state is not None and store[i] is not None:
+                        store[i].copy_(state)
+            layer.has_previous_state.update(previous)
+        return tokens_N
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
@@ -78,9 +170,15 @@ class TargetRunner:
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
+        if self.recurrent:
+            if not bool(tree_mask_NN.equal(torch.ones_like(tree_mask_NN).tril())):
+                raise ValueError(f"{self.model.config.model_type} has recurrent layers, which advance over one chain: "
+                                 "draft chains (validate.top_k: 1), not trees")
+            self._take_snapshot(tokens_N)
         self._set_length(self.length)
         decode = self.decode_fixed if fixed else self._decode
-        return decode(tokens_N[None], (self.length + depth_N)[None], self._mask(tree_mask_NN))
+        lengths = torch.tensor([self.length], device=self.device)
+        return decode(tokens_N[None], (self.length + depth_N)[None], self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]))
 
     def prefill(self, prompt_T: torch.Tensor):
         T = len(prompt_T)
@@ -90,14 +188,30 @@ class TargetRunner:
         return logits, aux, final
 
     def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (the KV stays, to be overwritten)."""
+        """Forget every position from `length` on (the KV stays, to be overwritten). Attention layers only:
+        a recurrent state cannot go back further than the last chain's start."""
+        if self.recurrent and length != self.length:
+            raise ValueError("a target with recurrent layers cannot be truncated")
         self._set_length(length)
 
     def commit(self, node_idx_A: torch.Tensor) -> None:
         """Keep the KV of the accepted tree nodes (indices into the last forward's N tokens)."""
+        if self.recurrent and self._snapshot is not None and len(node_idx_A) < len(self._snapshot[0]):
+            # a chain accepted in part: back to the states before it, then the accepted tokens again
+            tokens = self._restore_snapshot()[node_idx_A]
+            A = len(tokens)
+            self._snapshot = None
+            self.forward(tokens, torch.arange(A, device=self.device),
+                         torch.ones(A, A, dtype=torch.bool, device=self.device).tril(), fixed=False)
+            self._snapshot = None
+            self._set_length(self.length + A)
+            return
+        self._snapshot = None
         src = self.length + node_idx_A
         dst = torch.arange(self.length, self.length + len(node_idx_A), device=self.device)
         for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None:
+                continue
             layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
             layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
         self._set_length(self.length + len(node_idx_A))

@@ -1,18 +1,10 @@
-"""Latencies the runtime reports: one draft step against one plain target decode step (the cost ratio c),
-and HF `generate` for the same number of tokens."""
+"""The latency ratio the runtime reports: one draft step against one plain target decode step (the cost
+ratio c). HF `generate`'s time comes with its reference output (`validate.generate_reference`)."""
 from __future__ import annotations
 
 import time
 
 import torch
-
-
-def hf_generate_seconds(model, prompt: torch.Tensor, num_tokens: int) -> float:
-    ids = prompt[None].to(model.device)
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                   do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
-    return time.perf_counter() - start
 
 
 def draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> float:

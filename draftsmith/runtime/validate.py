@@ -8,6 +8,7 @@ ratio c and the expected walltime factor tau / (gamma * c + 1)."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.loading import (
     eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
-from draftsmith.runtime.timing import draft_step_cost, hf_generate_seconds
+from draftsmith.runtime.timing import draft_step_cost
 from draftsmith.runtime.verify import SamplingConfig
 from draftsmith.targets.parallel import is_first_rank
 
@@ -79,6 +80,10 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
         from draftsmith.runtime.drift import measure_drift
         model, drift = measure_drift(recipe, model, head_path / "lora", prompts, eos, tokenizer)
     runner = TargetRunner(model, max_len, layer_ids)
+    if runner.recurrent and (cfg.top_k != 1 or cfg.tree_choices):
+        raise ValueError(f"validate.top_k is {cfg.top_k}{' with validate.tree_choices' if cfg.tree_choices else ''}, but "
+                         f"{model.config.model_type} has recurrent layers, which advance over one chain: set validate.top_k: 1 "
+                         "(and no tree_choices) for this target")
     drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices),
                                                  step_compiler("auto", device))
     calibration = None
@@ -155,16 +160,19 @@ def _by_position(per_prompt: list[list[int]], prompts, depth: int) -> dict:
 
 
 @torch.no_grad()
-def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
     """The model's own greedy `generate` (its dynamic cache, its masks): the reference speculative output
-    must equal, so that an error shared by our runtime's plain and speculative paths cannot pass."""
+    must equal, so that an error shared by our runtime's plain and speculative paths cannot pass; and its
+    seconds, the HF `generate` speed the report compares with."""
     ids = prompt[None].to(model.device)
+    start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=sorted(eos) or None, pad_token_id=model.generation_config.pad_token_id or 0,
                          top_p=None, top_k=None, temperature=None)
+    seconds = time.perf_counter() - start
     tokens = out[0, ids.shape[1]:].tolist()
     ends = [i for i, token in enumerate(tokens) if token in eos]
-    return tokens[:ends[0] + 1] if ends else tokens
+    return (tokens[:ends[0] + 1] if ends else tokens), seconds
 
 
 def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list[str] | None = None) -> dict:
@@ -180,16 +188,17 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     for i, prompt in enumerate(bar):
         base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
         spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
-        hf_s += hf_generate_seconds(model, prompt, len(base.tokens))
+        reference, seconds = generate_reference(model, prompt, cfg.max_new_tokens, eos)
+        hf_s += seconds
         plain_s, spec_s = plain_s + base.seconds, spec_s + spec.seconds
-        plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(base.tokens)
+        plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(reference)
         accept += spec.accept_lengths
         per_prompt.append(spec.accept_lengths)
         if base.tokens == spec.tokens:
             exact += 1
         else:
             mismatches.append(i)
-        if generate_reference(model, prompt, cfg.max_new_tokens, eos) == spec.tokens:
+        if reference == spec.tokens:
             exact_generate += 1
         else:
             mismatches_generate.append(i)

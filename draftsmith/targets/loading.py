@@ -171,19 +171,46 @@ def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     return found[embed], found.get(head, found[embed])
 
 
+def _names_on_disk(model_dir: str) -> set[str]:
+    from safetensors import safe_open
+    names = set()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
 def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     """The target with decoder layers `skip` never loaded (pass-through stand-ins), frozen: what the
     trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
-    are read from the safetensors files, so a 70B target costs a few layers of memory."""
+    are read from the safetensors files, so a 70B target costs a few layers of memory.
+
+    Checkpoints whose tensors transformers converts while loading (fused MoE experts: one
+    `experts.gate_up_proj` in memory from per-expert tensors on disk, in glm4_moe, minimax_m2,
+    qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4) are loaded whole by `from_pretrained`,
+    which owns those conversions, and the skipped layers are dropped after: exact, at the memory of
+    the whole target while it loads (said on the console)."""
     config, model = _empty_target(recipe.target.model)
     layers = decoder_of(model).layers
     for i in skip:
         layers[i] = Skip()
     head = _weight_name(model, model.get_output_embeddings())
     wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    converted = sorted(wanted - _names_on_disk(recipe.target.model))
+    if converted and any(".experts." in name for name in converted):
+        from transformers import AutoModelForCausalLM
+        print(f"target.model={recipe.target.model!r}: its expert tensors are converted while loading "
+              f"({converted[0]} ...); loading it whole to rebuild features, then keeping {len(layers) - len(skip)} of "
+              f"{len(layers)} layers", flush=True)
+        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype)
+        layers = decoder_of(model).layers
+        for i in skip:
+            layers[i] = Skip()
+        model.requires_grad_(False)
+        return model.eval().to(device)
     state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "
                           "capture with capture.recompute: false instead")
-    dtype = resolve_dtype(recipe.target.dtype, device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if _tied(config):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight

@@ -1,0 +1,129 @@
+"""The runtime on every layer type transformers defines: sliding windows and sinks (gpt-oss, Gemma 2/3,
+Mistral, OLMo 3, EXAONE 4, Cohere 2), chunked attention (Llama 4), linear attention and state-space
+layers (Qwen3-Next, Qwen3.5, Falcon-H1, Nemotron-H, LFM2). Windows and chunks are 4 tokens, a fraction
+of prompt + answer; every output must equal the model's own `generate`, tree or chain, whatever the
+drafter gets right. Recurrent targets are rolled back with a drafter that is wrong at chosen depths."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from draftsmith.heads.tree import Tree, ancestor_mask
+from draftsmith.runtime.batched import BatchRunner, batched_generate
+from draftsmith.runtime.generate import plain_generate, speculative_generate
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.validate import generate_reference
+from draftsmith.runtime.verify import SamplingConfig
+from test_modern_targets import ARCHITECTURES, BASE
+
+GREEDY = SamplingConfig()
+WINDOWED = ["cohere2", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "mistral", "olmo3"]
+RECURRENT = ["falcon_h1", "lfm2", "nemotron_h", "qwen3_5_text", "qwen3_next"]
+# chunks as short as the windows; LFM2's short-convolution layers between its attention layers
+EXTRA = {"llama4_text": dict(attention_chunk_size=4),
+         "lfm2": dict(layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"])}
+PROMPT, NEW, DEPTH = 19, 24, 4
+INIT = 0.1  # weights large enough that a wrong window or state changes the argmax (checked)
+
+
+def tiny_target(model_type: str):
+    config = AutoConfig.for_model(model_type, **{**BASE, **ARCHITECTURES[model_type], **EXTRA.get(model_type, {})}, initializer_range=INIT)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # random weights: decode the full length
+    return model
+
+
+class CyclingDrafter:
+    """Drafts the known continuation, right for the first `right` tokens of round r (r cycling through
+    0..depth, so rounds are rejected whole, accepted in part and accepted whole) and wrong after; with
+    `width` > 1 each right node has wrong siblings, making a tree."""
+
+    def __init__(self, oracle: list[int], prompt_len: int, depth: int, vocab: int, width: int):
+        self.oracle, self.prompt_len, self.depth, self.vocab, self.width = oracle, prompt_len, depth, vocab, width
+        self.emitted, self.round = 0, 0
+
+    def reset(self):
+        self.emitted, self.round = 0, 0
+
+    def extend(self, tokens, features):
+        self.emitted += len(tokens)
+
+    def draft_tree(self, root):
+        start = self.emitted - self.prompt_len + 1
+        right = (self.oracle[start:start + self.depth] + [0] * self.depth)[:self.depth]
+        good = self.round % (self.depth + 1)
+        self.round += 1
+        tokens, parent, depth, prev = [int(root)], [-1], [0], 0
+        for i, t in enumerate(right):
+            tokens.append(t if i < good else (t + 1) % self.vocab)
+            parent.append(prev)
+            depth.append(i + 1)
+            node = len(tokens) - 1
+            for w in range(1, self.width):
+                tokens += [(t + 1 + w) % self.vocab]
+                parent.append(prev)
+                depth.append(i + 1)
+            prev = node
+        parent_t, depth_t = torch.tensor(parent), torch.tensor(depth)
+        return Tree(torch.tensor(tokens), parent_t, depth_t, ancestor_mask(parent_t, depth_t))
+
+
+@pytest.mark.parametrize("model_type", WINDOWED + RECURRENT)
+def test_speculative_output_equals_generate_on_every_layer_type(model_type):
+    model = tiny_target(model_type)
+    runner = TargetRunner(model, PROMPT + NEW + 16, [1, 3])
+    assert bool(runner.recurrent) == (model_type in RECURRENT)
+    eos = set()
+    prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    reference = generate_reference(model, prompt, NEW, eos)[0]
+    assert len(reference) == NEW  # several windows past the prompt
+    assert plain_generate(runner, prompt, NEW, GREEDY, eos).tokens == reference
+    drafter = CyclingDrafter(reference, PROMPT, DEPTH, 128, width=1 if runner.recurrent else 2)
+    spec = speculative_generate(runner, drafter, prompt, NEW, GREEDY, eos)
+    assert spec.tokens == reference
+    full = [a for a in spec.accept_lengths[:-1]]
+    assert {0, DEPTH} <= set(full) and set(full) & set(range(1, DEPTH))  # rejected, partial and whole rounds
+
+
+def test_a_window_changes_the_output():
+    """The windowed tests above could pass on a runtime that ignores windows only if the windows changed
+    nothing: with the window widened past the sequence, the same target decodes differently."""
+    prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    windowed = tiny_target("mistral")
+    wide = tiny_target("mistral")
+    wide.config.sliding_window = 4096
+    runner = TargetRunner(wide, PROMPT + NEW + 16, [1, 3])
+    assert plain_generate(runner, prompt, NEW, GREEDY, set()).tokens != generate_reference(windowed, prompt, NEW, set())[0]
+
+
+def test_recurrent_targets_refuse_trees_and_batches():
+    model = tiny_target("qwen3_next")
+    runner = TargetRunner(model, 64, [1, 3])
+    prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    tree = CyclingDrafter(list(range(40)), PROMPT, 3, 128, width=2)
+    with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*validate.top_k: 1"):
+        speculative_generate(runner, tree, prompt, 8, GREEDY, set())
+    with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*batch size 1.*economics.batch_sizes"):
+        BatchRunner(model, 2, 64, [1, 3])
+
+
+def test_a_recurrent_target_decodes_batched_at_batch_size_one():
+    model = tiny_target("qwen3_next")
+    prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(2))
+    reference = generate_reference(model, prompt, NEW, set())[0]
+    runner = BatchRunner(model, 1, PROMPT + NEW + 32, [1, 3])
+
+    class Rows(CyclingDrafter):  # the batched drafter protocol, one row
+        batch_size = 1
+
+        class tree_cfg:
+            num_nodes = DEPTH + 3  # chains padded to more nodes than they have: padding rolls back too
+
+        def extend_rows(self, rows, tokens, features):
+            self.extend(tokens[0], features[0])
+
+        def draft_trees(self, roots):
+            return [self.draft_tree(roots[0])]
+
+    out = batched_generate(runner, [prompt], NEW, GREEDY, set(), drafter=Rows(reference, PROMPT, DEPTH, 128, width=1))
+    assert out.tokens[0] == reference

@@ -39,3 +39,31 @@ def test_pipeline_on_other_architectures(tmp_path, micro_target, arch, extra):
     assert config["head_dim"] == 16 and config["vocab_size"] == AutoConfig.from_pretrained(target).vocab_size
     data = json.loads((recipe.run_dir / "data" / "manifest.json").read_text())
     assert data["regeneration"]["regenerated"] == 30
+
+
+# today's layouts: windows and sinks, chunks, fused MoE experts (read back by the default capture.recompute), linear
+# attention and state-space layers (chains: validate.top_k 1); windows and chunks a fraction of prompt + answer
+MODERN = {
+    "gpt_oss": (dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=8), []),
+    "gemma3_text": (dict(sliding_window=8), []),
+    "llama4_text": (dict(attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1), []),
+    "qwen3_next": (dict(num_experts=2, num_experts_per_tok=1, linear_num_value_heads=4, linear_num_key_heads=2,
+                        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2 + ["linear_attention"]),
+                   ["validate.top_k=1", "validate.num_nodes=4"]),
+    "falcon_h1": (dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16), ["validate.top_k=1", "validate.num_nodes=4"]),
+    "lfm2": (dict(layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention"]),
+             ["validate.top_k=1", "validate.num_nodes=4"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(MODERN))
+def test_pipeline_on_modern_architectures(tmp_path, micro_target, arch):
+    extra, overrides = MODERN[arch]
+    target = _save_target(tmp_path / arch, arch, micro_target, **extra)
+    recipe = micro_recipe(tmp_path / "runs", target, "target.embedded=null", "data.max_conversations=24",
+                          "train.max_steps=2", "validate.num_prompts=2", "validate.max_new_tokens=24", *overrides)
+    summary = run_all(recipe)
+    validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+    assert validation["exact_match"] and validation["exact_vs_generate"], summary
+    assert (recipe.run_dir / "export" / "sglang" / "config.json").exists()

@@ -51,10 +51,26 @@ def decoder_of(model):
 
 
 class Skip(torch.nn.Module):
-    """Stands in for a decoder layer whose output nobody reads: passes the hidden state through."""
+    """Stands in for a decoder layer whose output nobody reads: passes the hidden state through, in the
+    form the layer returns it (a tensor, or a one-tuple for decoders that read `layer_outputs[0]`, as
+    Falcon-H1's does)."""
+
+    def __init__(self, as_tuple: bool = False):
+        super().__init__()
+        self.as_tuple = as_tuple
+
+    @classmethod
+    def for_decoder(cls, decoder: torch.nn.Module) -> "Skip":
+        """The form this decoder's loop reads its layers' outputs in (annotations are not reliable)."""
+        import inspect
+        try:
+            source = inspect.getsource(type(decoder).forward)
+        except (OSError, TypeError):
+            return cls()
+        return cls(as_tuple="layer_outputs[0]" in source)
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states,) if self.as_tuple else hidden_states
 
 
 class FeatureExtractor:
@@ -100,7 +116,7 @@ class FeatureExtractor:
         kept = {i: layers[i] for i in self.skipped}
         try:
             for i in self.skipped:
-                layers[i] = Skip()
+                layers[i] = Skip.for_decoder(self.decoder)
             self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1)
         finally:
             for i, layer in kept.items():

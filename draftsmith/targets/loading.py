@@ -193,7 +193,7 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     config, model = _empty_target(recipe.target.model)
     layers = decoder_of(model).layers
     for i in skip:
-        layers[i] = Skip()
+        layers[i] = Skip.for_decoder(decoder_of(model))
     head = _weight_name(model, model.get_output_embeddings())
     wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
     dtype = resolve_dtype(recipe.target.dtype, device)
@@ -206,7 +206,7 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
         model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype)
         layers = decoder_of(model).layers
         for i in skip:
-            layers[i] = Skip()
+            layers[i] = Skip.for_decoder(decoder_of(model))
         model.requires_grad_(False)
         return model.eval().to(device)
     state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "

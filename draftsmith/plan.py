@@ -46,6 +46,7 @@ class TargetFacts:
     kv_values_per_token: int    # K and V values cached per token per layer (all heads)
     experts: int
     config: object
+    kv_layers: int = 0          # layers that cache K and V (recurrent and MLP-only layers keep a state or nothing)
 
 
 def _empty_model(config):
@@ -74,10 +75,13 @@ def target_facts(config, name: str = "") -> TargetFacts:
     ffn = (getattr(text, "moe_intermediate_size", 0) or 0) * per_tok if experts else text.intermediate_size
     embed = model.get_input_embeddings().weight.numel()
     embed += 0 if getattr(text, "tie_word_embeddings", False) else model.get_output_embeddings().weight.numel()
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    kv_layers = sum(t in ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+                    for t in get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
     return TargetFacts(name or getattr(text, "_name_or_path", ""), params, active,
                        max(sum(p.numel() for p in layer.parameters()) for layer in layers), embed,
                        len(layers), text.hidden_size, ffn, text.vocab_size, heads, kv_heads, kv_heads * kv_dims,
-                       experts, config)
+                       experts, config, kv_layers)
 
 
 def _head_params(recipe, facts: TargetFacts) -> tuple[int, int]:
@@ -102,8 +106,9 @@ def weight_bytes(facts: TargetFacts, layout: Layout, b: int) -> float:
 
 
 def kv_cache_bytes(facts: TargetFacts, num_tokens: int, layout: Layout, b: int) -> float:
-    """One rank's static KV cache for `num_tokens` positions: its own KV heads (tp) of its own layers (pp)."""
-    return num_tokens * facts.layers * facts.kv_values_per_token * b / (layout.tp * layout.pp)
+    """One rank's static KV cache for `num_tokens` positions: its own KV heads (tp) of its own attention layers
+    (pp). Windowed layers count whole: the runtime keeps their whole KV so that trees commit exactly."""
+    return num_tokens * facts.kv_layers * facts.kv_values_per_token * b / (layout.tp * layout.pp)
 
 
 def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: bool = False) -> dict:

@@ -186,6 +186,24 @@ def test_plan_deepseek_v3_and_a_mid_size_moe():
     assert 29 < moe["params_b"] < 32 and 2.5 < moe["active_params_b"] < 4
 
 
+@pytest.mark.parametrize("recipe_path,model,memory_gb", [
+    ("recipes/gpt-oss-120b/eagle3.yaml", "openai/gpt-oss-120b", 80),
+    ("recipes/llama-4-scout/eagle3.yaml", "meta-llama/Llama-4-Scout-17B-16E-Instruct", 80),
+    ("recipes/qwen3-next-80b-a3b/eagle3.yaml", "Qwen/Qwen3-Next-80B-A3B-Instruct", 141),
+    ("recipes/gemma-3-27b/eagle3.yaml", "google/gemma-3-27b-it", 80)])
+def test_plans_of_todays_targets_fit_their_launch(recipe_path, model, memory_gb):
+    """The recipes for windowed, chunked and hybrid targets fit the machines their headers name; only attention
+    layers hold KV (Qwen3-Next: 12 of 48), and the recurrent target's recipe drafts chains."""
+    recipe = recipe_mod.load(ROOT / recipe_path)
+    out = plan.make_plan(recipe, target_config(model), 8, memory_gb)
+    assert all(row["fits"] for row in out["stages"].values()), out["stages"]
+    facts = plan.target_facts(target_config(model))
+    assert facts.kv_layers == (12 if "qwen3-next" in recipe_path else facts.layers)
+    assert (recipe.validate.top_k == 1) == ("qwen3-next" in recipe_path)
+    text = (ROOT / recipe_path).read_text()
+    assert f"--gpu-memory-gb {memory_gb}" in text and "PLAN" not in text
+
+
 @pytest.mark.parametrize("model", ["meta-llama/Llama-3.3-70B-Instruct", "deepseek-ai/DeepSeek-V3"])
 def test_plan_weights_agree_with_accelerate(model):
     from accelerate.utils import calculate_maximum_sizes

@@ -150,6 +150,12 @@ class HeadConfig:
     token_weight: float = 0.1           # eagle2: soft cross-entropy weight (EAGLE: 0.1)
     input_noise: float = 0.0            # eagle2: uniform feature noise width, x 512/seq_len (EAGLE: 0.2)
     init_from: str | None = None        # start from a published/exported head of this kind
+    objective: str = "soft_ce"          # the vocabulary loss: soft_ce (soft cross-entropy to the teacher), or the
+                                        # acceptance-rate (LK) losses: lk_alpha (-log a), lk_lambda (λ·KL + (1-λ)(1-a))
+    lk_scale: float = 1.0               # lk_lambda: λ = lk_scale · exp(-lk_rate · a), a detached (SpecForge 1, 1;
+    lk_rate: float = 1.0                #   speculators 1, 3)
+    fc_norm: bool = False               # eagle3 (EAGLE 3.1): one RMSNorm per captured feature before fc
+    norm_output: bool = False           # eagle3 (EAGLE 3.1): the normed output feeds both lm_head and the next step
     num_heads: int = 4                  # medusa: K heads, head k predicts token t+2+k
     num_layers: int = 1                 # medusa: residual SiLU blocks per head (each its own weights)
     shared_lm_head: bool = False        # medusa: every head reads through the target's frozen lm_head
@@ -291,6 +297,7 @@ CHOICES = {
     "train.tracking.backend": {"wandb", "none"},
     "train.corrupt_samples": {"fail", "skip"},
     "head.lora.heads_ramp": {"constant", "linear", "sine"},
+    "head.objective": {"soft_ce", "lk_alpha", "lk_lambda"},
     "export.dtype": {"bf16", "fp16", "fp32"},
     "economics.baselines": {"ngram", "draft-model"},
 }

@@ -12,7 +12,8 @@
    acceptance, Medusa-2's drift from the original target;
 7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
 (drafting.py); 9. regeneration in process vs through a server (regen.py); 10. capture and decoding at
-tp 1 and tp 2 (parallel.py).
+tp 1 and tp 2 (parallel.py); 11. long samples (long_context.py); 12. validation on a windowed and a hybrid
+target (layer_types.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
 from draftsmith.bench.heads import MTP_RUNS, bench_heads, bench_medusa, render_heads
+from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
 from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                "drafting": lambda: bench_drafting(recipe),
                "regen": lambda: bench_regen(recipe),
                "parallel": lambda: bench_parallel(args.recipe, args.overrides),
-               "long_context": bench_long_context}
+               "long_context": bench_long_context,
+               "layer_types": lambda: bench_layer_types(args.recipe, args.overrides)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
-            "long_context"]
+            "long_context", "layer_types"]
 STANDALONE = {"medusa", "mtp", "long_context"}  # sections measured on recipes of their own
 NO_DEMO_RUN = {"medusa", "long_context"}         # sections that need nothing of the demo recipe's run
 
@@ -89,7 +92,7 @@ def render(r: dict) -> str:
              f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
              "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
     return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
-                     render_regen(r) + render_parallel(r) + render_long_context(r) + _shortfalls(r))
+                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:

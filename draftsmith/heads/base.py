@@ -13,6 +13,7 @@ class DraftHead(nn.Module):
     config: dict
     checkpoint_steps: bool = False  # recompute each unrolled step in backward (train.activation_checkpointing)
     sequence_parallel: bool = False  # its loss computes a SequenceShard of a sample (heads/ttt.py)
+    objective: tuple = ("soft_ce", 1.0, 1.0)  # the vocabulary loss (head.objective, lk_scale, lk_rate): heads/objective.py
 
     def loss(self, batch: dict):
         raise NotImplementedError

@@ -88,9 +88,11 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     spec = head_spec(recipe.head.kind)
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)
     head = spec.model.from_target(target_config, recipe.head, layer_ids)
+    head.objective = (recipe.head.objective, recipe.head.lk_scale, recipe.head.lk_rate)
     head.checkpoint_steps = recipe.train.activation_checkpointing
     if isinstance(head.config.get("draftsmith"), dict):  # the position range it learns, carried into its exports
         head.config["draftsmith"]["trained_max_tokens"] = min(recipe.data.max_length, recipe.train.max_batch_tokens)
+        head.config["draftsmith"]["objective"] = recipe.head.objective
     if recipe.head.lora is not None:
         train_idx, _ = B.split_indices(len(dataset))
         source, joint, lm_head = _joint(recipe, dataset, head, accelerator,

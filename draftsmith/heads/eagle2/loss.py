@@ -45,7 +45,8 @@ def eagle2_loss(head, batch: dict):
         n, targets = step_targets(shard, T, i)
         mask = valid[:, targets]
         count = valid[:, 1 + i:].sum().clamp(min=1)
-        token_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets])
+        token_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets],
+                                         objective=head.objective)
         feature_loss = F.smooth_l1_loss(h[:, :n].float(), features[:, targets].float(), reduction="none").mean(-1)
         feature_sum = (feature_loss * mask).sum()
         step_loss = (head.feature_weight * feature_sum + head.token_weight * token_sum) / count

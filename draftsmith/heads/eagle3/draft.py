@@ -10,4 +10,4 @@ from draftsmith.heads.drafting import TreeDrafter
 
 class Eagle3Drafter(TreeDrafter):
     def first_hidden(self, features_TK: torch.Tensor) -> torch.Tensor:
-        return self.head.fc(features_TK)
+        return self.head.project(features_TK)

@@ -25,6 +25,7 @@ def _eagle3_hf_config(config: dict, ids: list[int], dtype: str, engine: str) -> 
     out.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=config["draft_vocab_size"],
                target_hidden_size=config["target_hidden_size"], tie_word_embeddings=False, **dtype_keys(dtype),
                norm_before_residual=False, attention_bias=False, mlp_bias=False,
+               fc_norm=bool(config.get("fc_norm")), norm_output=bool(config.get("norm_output")),
                eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
                **{EXPORT_MARK: {"engine": engine, "layer_convention": engine, "draftsmith_layer_ids": config["draftsmith"]["layer_ids"],
                                 **_trained_range(config)}})
@@ -59,7 +60,8 @@ def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "", sp
     layer.update(model_type="llama", attention_bias=False, mlp_bias=False, num_hidden_layers=1)
     out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
            "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config["target_hidden_size"],
-           "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+           "norm_before_residual": False, "norm_before_fc": False, "fc_norm": bool(config.get("fc_norm")),
+           "norm_output": bool(config.get("norm_output")),
            "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": list(config["draftsmith"]["layer_ids"]),
            "transformer_layer_config": layer, **dtype_keys(dtype), "tie_word_embeddings": False,
            "speculators_config": {
@@ -99,6 +101,9 @@ def _verifier(target: str) -> tuple[torch.Tensor | None, list]:
 def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> str:
     facts = [f"layer ids (input-to-layer): {meta.get('layer_ids')}",
              f"draft vocabulary: {meta['draft_config']['draft_vocab_size']}"]
+    options = [k for k in ("fc_norm", "norm_output") if meta["draft_config"].get(k)]
+    if options:
+        facts.append(f"EAGLE 3.1 options: {', '.join(options)} (vLLM and SpecForge read these config keys)")
     return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3)), facts)
 
 
@@ -131,7 +136,8 @@ def imported_config(config: dict, target_config) -> tuple[dict, list[int]]:
         ids = [2, num_layers // 2, num_layers - 3]
     elif convention == "sglang":
         ids = [i + 1 for i in ids]
-    ours = draft_config_from_target(target_config, config["draft_vocab_size"], ids, layer.get("intermediate_size"))
+    ours = draft_config_from_target(target_config, config["draft_vocab_size"], ids, layer.get("intermediate_size"),
+                                    bool(config.get("fc_norm")), bool(config.get("norm_output")))
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta"):
         if layer.get(key) is not None:
             ours[key] = layer[key]

@@ -20,7 +20,7 @@ def ttt_loss(head, batch: dict):
     ids, pos = batch["input_ids"], batch["position_ids"]
     probs, valid, argmax = batch["target_probs"], batch["target_valid"], batch["target_argmax"]
     T, shard = ids.shape[1], shard_of(batch)
-    h = head.fc(shard.local(batch["aux"]).to(head.fc.weight.dtype))
+    h = head.project(shard.local(batch["aux"]))
     attend = TTTAttention(shard=shard)
     total = torch.zeros((), device=ids.device)
     metrics = {}
@@ -32,7 +32,8 @@ def ttt_loss(head, batch: dict):
         n, targets = step_targets(shard, T, i)
         mask = valid[:, targets]
         count = valid[:, 1 + i:].sum().clamp(min=1)
-        ce_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets])
+        ce_sum, hits = soft_ce_sums(head.logits, h[:, :n], probs, targets.start, mask, argmax[:, targets],
+                                      objective=head.objective)
         step_loss = ce_sum / count
         total = total + (head.loss_decay ** i) * step_loss
         acc = shard.total(hits[0]).float() / count

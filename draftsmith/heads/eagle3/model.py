@@ -6,6 +6,10 @@
     logits  = lm_head(norm(h))                                  (draft vocabulary only)
     the un-normed h is the next step's hidden state.
 
+EAGLE 3.1 options (config keys as SpecForge and vLLM read them): `fc_norm`, one RMSNorm per captured feature
+before the concatenation (`fc_norm.{i}.weight`); `norm_output`, norm(h) is both the lm_head input and the
+hidden state fed to the next step.
+
 Tensor names: fc.weight, midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 hidden_norm, input_layernorm, post_attention_layernorm}.weight, norm.weight, lm_head.weight, d2t, t2d.
 The target's embedding is held frozen and never saved.
@@ -37,7 +41,7 @@ def _target_value(t, key: str, used_defaults: list[str]):
 
 
 def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],
-                             intermediate_size: int | None = None) -> dict:
+                             intermediate_size: int | None = None, fc_norm: bool = False, norm_output: bool = False) -> dict:
     """The head's HF-style config: a Llama layer sized from the target, whatever its family (dense,
     windowed, hybrid or MoE); sizes a target names otherwise are read under their names, and the ones it
     lacks take Llama defaults, listed in `draftsmith.defaults`."""
@@ -63,6 +67,7 @@ def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: li
         "max_position_embeddings": _target_value(t, "max_position_embeddings", defaults),
         "rope_theta": rope_theta, "rope_scaling": scaling,
         "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+        "fc_norm": bool(fc_norm), "norm_output": bool(norm_output),
         "bos_token_id": getattr(t, "bos_token_id", None), "eos_token_id": getattr(t, "eos_token_id", None),
         "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer", "defaults": defaults,
                        "target_model_type": getattr(t, "model_type", None)},
@@ -141,6 +146,9 @@ class Eagle3Head(DraftHead):
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(num_aux * config["target_hidden_size"], H, bias=False)
+        self.fc_norm = nn.ModuleList([LlamaRMSNorm(config["target_hidden_size"], config["rms_norm_eps"])
+                                      for _ in range(num_aux)]) if config.get("fc_norm") else None
+        self.norm_output = bool(config.get("norm_output"))
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
         self.lm_head = nn.Linear(H, Vd, bias=False)
@@ -150,7 +158,8 @@ class Eagle3Head(DraftHead):
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle3Head":
-        config = draft_config_from_target(target_config, head_cfg.draft_vocab_size, layer_ids, head_cfg.intermediate_size)
+        config = draft_config_from_target(target_config, head_cfg.draft_vocab_size, layer_ids, head_cfg.intermediate_size,
+                                          head_cfg.fc_norm, head_cfg.norm_output)
         return cls(config, head_cfg.ttt_steps or DEFAULT_TTT_STEPS, 0.8 if head_cfg.loss_decay is None else head_cfg.loss_decay)
 
     @classmethod
@@ -173,14 +182,23 @@ class Eagle3Head(DraftHead):
     def rope(self, x, position_ids_BT):
         return self.rotary(x, position_ids_BT)
 
+    def project(self, aux_BTK):
+        """The first hidden state from the concatenated target features: fc, after one norm per feature (fc_norm)."""
+        aux_BTK = aux_BTK.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            parts = aux_BTK.chunk(len(self.fc_norm), dim=-1)
+            aux_BTK = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(aux_BTK)
+
     def step(self, token_ids_BT, h_BTH, position_ids_BT, attend):
-        """One draft step: returns the un-normed hidden (next step's input)."""
+        """One draft step: returns the hidden state the next step reads (un-normed; normed with norm_output)."""
         emb = self.embed_tokens(token_ids_BT).to(h_BTH.dtype)
         cos, sin = self.rope(h_BTH, position_ids_BT)
-        return self.midlayer(emb, h_BTH, cos, sin, attend)
+        out = self.midlayer(emb, h_BTH, cos, sin, attend)
+        return self.norm(out) if self.norm_output else out
 
     def logits(self, h_BTH):
-        return self.lm_head(self.norm(h_BTH))
+        return self.lm_head(h_BTH if self.norm_output else self.norm(h_BTH))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

@@ -30,7 +30,7 @@ def medusa_loss(head, batch: dict):
         mask = valid[:, 1 + k:]
         count = mask.sum().clamp(min=1)
         ce_sum, hits = soft_ce_sums(lambda f, k=k: head.one_head_logits(k, f), features[:, :n], probs, 1 + k,
-                                    mask, argmax[:, 1 + k:], TOP_K_LOGGED)
+                                    mask, argmax[:, 1 + k:], TOP_K_LOGGED, objective=head.objective)
         head_loss = ce_sum / count
         total = total + head.loss_decay ** k * head_loss
         for j, num_hits in zip(TOP_K_LOGGED, hits):

@@ -38,7 +38,7 @@ def mtp_loss(head, batch: dict):
         mask = valid[:, targets]
         count = valid[:, 1 + i:].sum().clamp(min=1)
         ce_sum, hits = soft_ce_sums(lambda x, m=i: head.logits(x, module=m), h[:, :n], probs, targets.start, mask,
-                                    argmax[:, targets])
+                                    argmax[:, targets], objective=head.objective)
         step_loss = ce_sum / count
         total = total + weights[i] * step_loss
         acc = shard.total(hits[0]).float() / count

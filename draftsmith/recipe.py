@@ -157,9 +157,13 @@ class HeadConfig:
     fc_norm: bool = False               # eagle3 (EAGLE 3.1): one RMSNorm per captured feature before fc
     norm_output: bool = False           # eagle3 (EAGLE 3.1): the normed output feeds both lm_head and the next step
     num_heads: int = 4                  # medusa: K heads, head k predicts token t+2+k
-    num_layers: int = 1                 # medusa: residual SiLU blocks per head (each its own weights)
+    num_layers: int = 1                 # medusa: residual SiLU blocks per head; mtp: D modules; dflash: draft layers
     shared_lm_head: bool = False        # medusa: every head reads through the target's frozen lm_head
     lora: LoraJointConfig | None = None  # medusa: set for Medusa-2 (joint LoRA training, capture.mode online)
+    block_size: int | None = None       # dflash: B, the block drafted in one forward (None: 16); draft tokens B - 1
+    num_anchors: int = 512              # dflash: random anchors (blocks) per sequence per step
+    loss_gamma: float | None = None     # dflash: slot weights exp(-(k-1)/gamma); None: 7 for B >= 16, else 4
+    mask_token_id: int | None = None    # dflash: the mask token (None: the target's pad, else eos token; recorded)
 
 
 @dataclass

@@ -51,7 +51,7 @@ def test_llama3_rope_scaling_is_kept():
 
 
 def test_unknown_head_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="valid kinds: eagle2, eagle3"):
+    with pytest.raises(ValueError, match="valid kinds: dflash, eagle2, eagle3"):
         get_head_class("eagle9")
 
 

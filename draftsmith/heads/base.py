@@ -38,3 +38,19 @@ class DraftHead(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint keeps (the frozen target weights left out)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN)}
+
+
+# what a head built as a Llama layer reads from any target, under the names targets give it
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 10000.0}
+ALIASES = {"rms_norm_eps": ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")}
+
+
+def target_value(t, key: str, used_defaults: list[str]):
+    """A Llama-layer size from a target config that may name it otherwise (Cohere's layer_norm_eps, LFM2's
+    norm_eps...); the Llama default, recorded in `used_defaults`, where it names it nowhere."""
+    for name in ALIASES.get(key, (key,)):
+        value = getattr(t, name, None)
+        if value is not None:
+            return value
+    used_defaults.append(key)
+    return LLAMA_DEFAULTS[key]

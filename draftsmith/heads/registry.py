@@ -19,6 +19,7 @@ from types import ModuleType
 from draftsmith.targets.features import FeatureNeeds
 
 PACKAGES = {
+    "dflash": "draftsmith.heads.dflash",
     "eagle2": "draftsmith.heads.eagle2",
     "eagle3": "draftsmith.heads.eagle3",
     "medusa": "draftsmith.heads.medusa",

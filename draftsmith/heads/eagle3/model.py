@@ -21,23 +21,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftsmith.heads.base import DraftHead
+from draftsmith.heads.base import DraftHead, target_value as _target_value
 from draftsmith.heads.eagle3.loss import ttt_loss
-
-
-LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 10000.0}
-ALIASES = {"rms_norm_eps": ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")}
-
-
-def _target_value(t, key: str, used_defaults: list[str]):
-    """A Llama-layer size from a target config that may name it otherwise (Cohere's layer_norm_eps, LFM2's
-    norm_eps...); the Llama default, recorded in `used_defaults`, where it names it nowhere."""
-    for name in ALIASES.get(key, (key,)):
-        value = getattr(t, name, None)
-        if value is not None:
-            return value
-    used_defaults.append(key)
-    return LLAMA_DEFAULTS[key]
 
 
 def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],

@@ -1,0 +1,60 @@
+"""Drafting with a DFlash head: one forward per round over [bonus, MASK x (B - 1)] for every row at once.
+
+Each row keeps every layer's context K/V for its committed positions (computed once, when the target's features
+for them arrive in `extend_rows`); the block's own K/V are thrown away after the round. The block's slots 1..d
+(d = min(validate.depth, B - 1)) give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
+verification keeps lossless under sampling too). `validate.top_k` has no meaning here: DFlash drafts chains."""
+from __future__ import annotations
+
+import torch
+
+from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager
+from draftsmith.heads.tree import Tree, chain_tree
+
+
+class DFlashDrafter(BatchOfOne):
+    def __init__(self, head, max_len: int, tree: TreeConfig, compile_step=eager, batch_size: int = 1):
+        self.head, self.tree_cfg, self.batch_size, self.max_len = head, tree, batch_size, max_len
+        self.depth = max(1, min(tree.depth, head.block_size - 1, tree.num_nodes - 1))
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = head.config
+        shape = (len(head.layers), batch_size, cfg["num_key_value_heads"], max_len, cfg["head_dim"])
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.lengths = [0] * batch_size
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.batch_size
+
+    @torch.no_grad()
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        """Context K/V for each row's newly committed positions (the features; the tokens are not read)."""
+        for r, feats in zip(rows, features):
+            n, T = self.lengths[r], len(feats)
+            if n + T > self.max_len:
+                raise ValueError(f"DFlash context of {n + T} positions exceeds the drafter's max_len={self.max_len}")
+            positions = torch.arange(n, n + T, device=self.device)[None]
+            for layer, (k, v) in enumerate(self.head.context_kv(self.head.context(feats[None]), positions)):
+                self.k[layer, r, :, n:n + T], self.v[layer, r, :, n:n + T] = k[0], v[0]
+            self.lengths[r] = n + T
+
+    @torch.no_grad()
+    def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
+        drafted = self.block_logits(roots_B)[:, :self.depth].argmax(-1)
+        return [chain_tree(root, drafted[b]) for b, root in enumerate(roots_B)]
+
+    @torch.no_grad()
+    def block_logits(self, roots_B: torch.Tensor) -> torch.Tensor:
+        """[B, block_size - 1, V] fp32: the block's slots 1.. for every row, in one forward."""
+        Bs, B = self.head.block_size, len(roots_B)
+        lengths = torch.tensor(self.lengths, device=self.device)
+        L = max(self.lengths)
+        tokens = torch.full((B, Bs), self.head.mask_token_id, dtype=torch.long, device=self.device)
+        tokens[:, 0] = roots_B
+        positions = lengths[:, None] + torch.arange(Bs, device=self.device)
+        allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, Bs, L),
+                             torch.ones(B, Bs, Bs, dtype=torch.bool, device=self.device)], dim=-1)
+        kv = [(self.k[i, :B, :, :L], self.v[i, :B, :, :L]) for i in range(len(self.head.layers))]
+        h = self.head.block_hidden(tokens, positions, kv, allowed)
+        return self.head.logits(h[:, 1:]).float()

@@ -1,0 +1,117 @@
+"""DFlash's engine formats.
+
+- `vllm`, `sglang`: the z-lab layout both read (vLLM's `dflash` method, class DFlashDraftModel ->
+  DFlashQwen3ForCausalLM; SGLang's `DFLASH`): `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`,
+  `block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` with z-lab's
+  output-of-layer ids (ours - 1; both engines add one when they capture), Qwen3 sizes, no embedding or lm_head
+  (the engines share the target's).
+- `speculators`: `speculators_model_type: "dflash"`, `DFlashSpeculator`, `transformer_layer_config` (a Qwen3
+  config), `aux_hidden_state_layer_ids` (ours), `block_size`, `mask_token_id`, `speculators_config`, and the
+  target's `embed_tokens.weight` and `lm_head.weight` with identity `d2t`/`t2d` (read from the target directory).
+Import reads the z-lab layout (and speculators') back into our module."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftsmith.heads.dflash.model import draft_config_from_target
+from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, card, cast, dtype_keys, read_weights
+
+TITLE = "DFlash block drafter"
+REQUIRED = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+def _zlab_config(config: dict, dtype: str, engine: str) -> dict:
+    out = {key: config[key] for key in HF_LAYER_KEYS if key in config}
+    out.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config["block_size"],
+               num_target_layers=config["num_target_layers"], target_hidden_size=config["target_hidden_size"],
+               layer_types=["full_attention"] * config["num_hidden_layers"], tie_word_embeddings=False,
+               attention_bias=False, dflash_config=dict(config["dflash_config"]), **dtype_keys(dtype),
+               **{EXPORT_MARK: {"engine": engine, "layer_convention": "z-lab (output-of-layer)",
+                                "draftsmith_layer_ids": config["draftsmith"]["layer_ids"],
+                                "mask_token_source": config["draftsmith"].get("mask_token_source")}})
+    return out
+
+
+def to_vllm(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    return _zlab_config(config, dtype, "vllm"), cast(tensors, dtype)
+
+
+def to_sglang(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    return _zlab_config(config, dtype, "sglang"), cast(tensors, dtype)
+
+
+def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    layer = {key: config[key] for key in HF_LAYER_KEYS if key in config}
+    layer.update(model_type="qwen3", attention_bias=False, layer_types=["full_attention"] * config["num_hidden_layers"])
+    verifier = []
+    out = dict(tensors)
+    if target and (Path(target) / "config.json").exists():
+        from draftsmith.targets.loading import load_target_embeddings
+        embed, lm_head = load_target_embeddings(target)
+        out.update({"embed_tokens.weight": embed, "lm_head.weight": lm_head})
+        verifier = json.loads((Path(target) / "config.json").read_text()).get("architectures", [])
+    V = config["vocab_size"]
+    out.update(d2t=torch.zeros(V, dtype=torch.long), t2d=torch.ones(V, dtype=torch.bool))
+    speculative = config["block_size"] - 1
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.2.0",
+            "transformer_layer_config": layer, "draft_vocab_size": V, "block_size": config["block_size"],
+            "target_hidden_size": config["target_hidden_size"], "mask_token_id": config["dflash_config"]["mask_token_id"],
+            "aux_hidden_state_layer_ids": list(config["draftsmith"]["layer_ids"]), **dtype_keys(dtype),
+            "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative}],
+                                   "verifier": {"name_or_path": target, "architectures": verifier}},
+            EXPORT_MARK: {"engine": "speculators", "layer_convention": "input-to-layer"}}, cast(out, dtype)
+
+
+ADAPTERS = {"vllm": to_vllm, "sglang": to_sglang, "speculators": to_speculators}
+
+
+def serve_command(engine: str, target: str, out: str, depth: int = 15) -> str:
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH "
+                f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {depth + 1}")
+    if engine == "vllm":
+        return (f"vllm serve {target} --speculative-config "
+                f"'{{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": {depth}}}'")
+    return f"vllm serve {out}"
+
+
+def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> str:
+    draft = meta["draft_config"]
+    facts = [f"layer ids (input-to-layer): {meta.get('layer_ids')}; z-lab target_layer_ids "
+             f"{draft['dflash_config']['target_layer_ids']}",
+             f"block size {draft['block_size']}, mask token id {draft['dflash_config']['mask_token_id']} "
+             f"({draft['draftsmith'].get('mask_token_source')}), {draft['num_hidden_layers']} layers"]
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out,
+                                                               draft["block_size"] - 1), facts)
+
+
+def recognizes(config: dict) -> bool:
+    if "speculators_model_type" in config:
+        return config["speculators_model_type"] == "dflash"
+    return "DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config
+
+
+def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dict]:
+    """(our draft config, our tensor names, metadata) from a z-lab or speculators DFlash directory."""
+    if "speculators_model_type" in raw:
+        layer, ids = raw["transformer_layer_config"], list(raw["aux_hidden_state_layer_ids"])
+        block, mask = raw["block_size"], raw["mask_token_id"]
+    else:
+        layer, dflash = raw, raw.get("dflash_config") or {}
+        ids = [k + 1 for k in dflash["target_layer_ids"]]
+        block, mask = dflash.get("block_size", raw.get("block_size")), dflash["mask_token_id"]
+    config = draft_config_from_target(target_config, ids, layer["num_hidden_layers"], block, mask,
+                                      layer.get("intermediate_size"))
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"):
+        if layer.get(key) is not None:
+            config[key] = layer[key]
+    config["target_hidden_size"] = raw.get("target_hidden_size") or config["target_hidden_size"]
+    tensors = {k.removeprefix("model."): v for k, v in read_weights(path).items()
+               if not k.removeprefix("model.").startswith(("embed_tokens", "lm_head", "d2t", "t2d"))}
+    meta = {"kind": "dflash", "layer_ids": ids, "draft_config": config, "target_id": None,
+            "source_format": "speculators" if "speculators_model_type" in raw else "z-lab"}
+    return config, tensors, meta

@@ -1,0 +1,191 @@
+"""DFlash: the training mask against its definition, training against drafting (the same logits for the same
+anchor), overfitting a batch, greedy exactness and sampled losslessness in the runtime, the z-lab and speculators
+exports as the engines' loaders read them, import of a z-lab checkpoint, and the whole pipeline."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import micro_recipe, two_token_total_variation
+from draftsmith.heads.dflash import loss as dloss
+from draftsmith.heads.dflash.draft import DFlashDrafter
+from draftsmith.heads.dflash.formats import import_layout, to_speculators, to_vllm
+from draftsmith.heads.dflash.model import DFlashHead, default_layer_ids
+from draftsmith.heads.drafting import TreeConfig
+from draftsmith.heads.loading import load_head
+from draftsmith.recipe import HeadConfig
+from draftsmith.runtime.generate import plain_generate, speculative_generate
+from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.validate import generate_reference
+from draftsmith.runtime.verify import SamplingConfig
+
+V, H, IDS = 64, 32, [1, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def target():
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _head(target, block=4, layers=2, anchors=6, seed=0):
+    torch.manual_seed(seed)
+    head = DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=block, num_layers=layers,
+                                                            num_anchors=anchors), IDS)
+    head.load_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return head
+
+
+def _batch(target, B=2, T=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    probs = torch.softmax(out.logits.float(), -1)
+    return {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T),
+            "aux": torch.cat([out.hidden_states[k] for k in IDS], -1), "target_probs": probs,
+            "target_valid": torch.ones(B, T, dtype=torch.bool), "target_argmax": probs.argmax(-1)}
+
+
+def test_default_layer_ids_follow_zlab():
+    assert default_layer_ids(36) == [k + 1 for k in (1, 9, 17, 25, 33)]  # Qwen3-8B
+    assert default_layer_ids(36, 1) == [19]
+
+
+def test_block_mask_is_its_definition():
+    anchors, ok = torch.tensor([[2, 5, 7], [3, 1, 1]]), torch.tensor([[True, True, True], [True, False, False]])
+    T, Bs = 9, 3
+    mask = dloss.block_mask(anchors, ok, T, Bs)
+    for b in range(2):
+        for q in range(3 * Bs):
+            a = q // Bs
+            for k in range(T + 3 * Bs):
+                if k < T:
+                    expected = bool(ok[b, a]) and k < int(anchors[b, a])    # context strictly before the anchor
+                else:
+                    expected = (k - T) // Bs == a                           # its own block, both ways
+                assert bool(mask[b, q, k]) == expected, (b, q, k)
+
+
+def test_grouped_anchors_equal_one_group(target, monkeypatch):
+    head, batch = _head(target), _batch(target)
+    torch.manual_seed(3)
+    whole, metrics = head(batch)
+    grads = torch.autograd.grad(whole, [p for p in head.parameters() if p.requires_grad])
+    monkeypatch.setattr(dloss, "SCORE_BUDGET", 1)  # one anchor per group, each checkpointed
+    torch.manual_seed(3)
+    grouped, metrics_g = head(batch)
+    grads_g = torch.autograd.grad(grouped, [p for p in head.parameters() if p.requires_grad])
+    torch.testing.assert_close(whole, grouped)
+    for a, b in zip(grads, grads_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert metrics["num_anchors"] == 12 and set(metrics) >= {"acc_0", "acc_2", "sim_accept_len", "loss"}
+
+
+def test_training_and_drafting_compute_the_same_block(target):
+    """The logits training gives anchor p's block equal the drafter's for the same root with p committed positions."""
+    head, batch = _head(target).eval(), _batch(target, B=1)
+    p = 9
+    with torch.no_grad():
+        kv = head.context_kv(head.context(batch["aux"]), batch["position_ids"])
+        anchors, ok = torch.tensor([[p]]), torch.tensor([[True]])
+        tokens = torch.full((1, 4), head.mask_token_id)
+        tokens[0, 0] = batch["input_ids"][0, p]
+        h = head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.block_mask(anchors, ok, 14, 4))
+        trained = head.logits(h[:, 1:]).float()
+    drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4))
+    drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
+    torch.testing.assert_close(drafter.block_logits(batch["input_ids"][0, p:p + 1]), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_head_overfits_a_batch(target):
+    head, batch = _head(target, anchors=12), _batch(target, T=10)
+    batch["target_probs"] = torch.nn.functional.one_hot(batch["input_ids"].roll(-1, 1), V).float()
+    batch["target_argmax"] = batch["input_ids"].roll(-1, 1)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(120):
+        loss, metrics = head(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8
+
+
+def test_greedy_exact_and_sampling_follows_the_target(target):
+    head = _head(target, block=5).eval()
+    runner = TargetRunner(target, 160, IDS)
+    drafter = DFlashDrafter(head, 160, TreeConfig(4, 1, 5))
+    for seed in range(3):
+        prompt = torch.randint(0, V, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed))
+        base = plain_generate(runner, prompt, 32, SamplingConfig(), set())
+        spec = speculative_generate(runner, drafter, prompt, 32, SamplingConfig(), set())
+        assert spec.tokens == base.tokens
+        assert spec.tokens == generate_reference(target, prompt, 32, set())[0]
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    tv, support_ok = two_token_total_variation(target, runner, drafter, torch.randint(0, V, (6,)), cfg, 1500, seed=0)
+    assert support_ok and tv < 0.07
+
+
+ZLAB_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+              "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _zlab_shapes(config: dict) -> dict:
+    """Parameter names and shapes as vLLM's DFlashQwen3ForCausalLM builds them from a z-lab config."""
+    Hd, d, n, kv = config["hidden_size"], config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    ffn, k = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (Hd, k * config["target_hidden_size"]), "hidden_norm.weight": (Hd,), "norm.weight": (Hd,)}
+    per_layer = dict(zip(ZLAB_LAYER, [(Hd,), (Hd,), (n * d, Hd), (kv * d, Hd), (kv * d, Hd), (Hd, n * d), (d,), (d,),
+                                      (ffn, Hd), (ffn, Hd), (Hd, ffn)]))
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def test_exports_are_what_the_engines_load_and_a_zlab_checkpoint_imports(target, tmp_path):
+    head = _head(target, block=4)
+    config, tensors = to_vllm(head.trainable_state(), head.config, "fp32")
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 4 and config["num_target_layers"] == 6
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [k - 1 for k in IDS]}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == _zlab_shapes(config)
+    spec_config, spec_tensors = to_speculators(head.trainable_state(), head.config, "fp32")
+    assert spec_config["speculators_model_type"] == "dflash" and spec_config["aux_hidden_state_layer_ids"] == IDS
+    assert spec_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert {"d2t", "t2d"} <= set(spec_tensors)
+    # a z-lab checkpoint (names with a model. prefix, as some are saved) loads and drafts as the original head
+    zlab = tmp_path / "zlab"
+    zlab.mkdir()
+    (zlab / "config.json").write_text(json.dumps(config))
+    save_file({f"model.{k}": v.contiguous() for k, v in tensors.items()}, str(zlab / "model.safetensors"))
+    loaded, meta = load_head(zlab, target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    assert meta["source_format"] == "z-lab" and loaded.config["draftsmith"]["layer_ids"] == IDS
+    prompt = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(4))
+    runner = TargetRunner(target, 64, IDS)
+    outs = []
+    for h in (head.eval(), loaded):
+        drafter = DFlashDrafter(h, 64, TreeConfig(3, 1, 4))
+        outs.append(speculative_generate(runner, drafter, prompt, 16, SamplingConfig(), set()).accept_lengths)
+    assert outs[0] == outs[1]
+    config_back, _, _ = import_layout(zlab, config, target.config)
+    assert config_back["block_size"] == 4 and config_back["dflash_config"]["mask_token_id"] == 0
+
+
+@pytest.mark.slow
+def test_dflash_pipeline_trains_validates_and_exports(tmp_path, micro_target):
+    from draftsmith.stages import run_all
+    recipe = micro_recipe(tmp_path, micro_target, "head.kind=dflash", "head.block_size=4", "head.num_layers=1",
+                          "head.num_anchors=16", "train.max_steps=4", "validate.num_prompts=2", "validate.max_new_tokens=12",
+                          "validate.top_k=1", "validate.num_nodes=4")
+    summary = run_all(recipe)
+    assert "greedy exact: True" in summary
+    for engine in ("vllm", "sglang", "speculators"):
+        config = json.loads((recipe.run_dir / "export" / engine / "config.json").read_text())
+        assert config.get("block_size") == 4
+    card = (recipe.run_dir / "export" / "vllm" / "README.md").read_text()
+    assert '"method": "dflash"' in card

@@ -13,7 +13,7 @@
 7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
 (drafting.py); 9. regeneration in process vs through a server (regen.py); 10. capture and decoding at
 tp 1 and tp 2 (parallel.py); 11. long samples (long_context.py); 12. validation on a windowed and a hybrid
-target (layer_types.py).
+target (layer_types.py); 13. DFlash and EAGLE 3.1 + LK against EAGLE-3 at equal training wall-clock (heads.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from draftsmith import recipe as recipe_mod
 from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
-from draftsmith.bench.heads import MTP_RUNS, bench_heads, bench_medusa, render_heads
+from draftsmith.bench.heads import DRAFTER_RUNS, MTP_RUNS, bench_heads, bench_medusa, render_drafters, render_heads
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                "heads": lambda: bench_heads(recipe, args.overrides, args.heads_seconds),
                "medusa": lambda: bench_medusa(args.overrides),
                "mtp": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, MTP_RUNS),
+               "drafters": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, DRAFTER_RUNS),
                "economics": lambda: bench_economics(recipe),
                "drafting": lambda: bench_drafting(recipe),
                "regen": lambda: bench_regen(recipe),
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
-            "long_context", "layer_types"]
+            "long_context", "layer_types", "drafters"]
 STANDALONE = {"medusa", "mtp", "long_context"}  # sections measured on recipes of their own
 NO_DEMO_RUN = {"medusa", "long_context"}         # sections that need nothing of the demo recipe's run
 
@@ -92,7 +93,7 @@ def render(r: dict) -> str:
              f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
              "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
     return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
-                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + _shortfalls(r))
+                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + render_drafters(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:

@@ -30,6 +30,14 @@ def _steps_for(recipe, seconds: float, probe_steps: int = 12) -> tuple[int, floa
     return max(1, int(seconds / per_step / recipe.train.grad_accum)), (trainer.tokens - tokens) / (per_step * probe_steps)
 
 
+DRAFTER_RUNS = {  # issue #31: block drafting and EAGLE 3.1 / LK next to EAGLE-3, same budget as `heads`
+    "eagle3-k7": ("recipes/demo/stdlib-code-eagle3.yaml", []),
+    "eagle3.1+lk": ("recipes/demo/stdlib-code-eagle3.yaml", ["head.fc_norm=true", "head.norm_output=true",
+                                                              "head.objective=lk_lambda"]),
+    "dflash-b8": ("recipes/demo/stdlib-code-dflash.yaml", []),
+}
+
+
 MTP_RUNS = {  # MTP post hoc: DeepSeek's one-step objective and the recursive default, same budget as `heads`
     "mtp-k1": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=1"]),
     "mtp-k3": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=3"]),
@@ -187,3 +195,29 @@ def _render_mtp(r: dict) -> list[str]:
                      f"{_fmt(h['acceptance_per_depth'][:4])} |")
     return lines + [""]
 
+
+
+def render_drafters(r: dict) -> list[str]:
+    rows = r.get("drafters")
+    if not rows:
+        return []
+    lines = ["## Block drafting and EAGLE 3.1 + LK against EAGLE-3 (issue #31)", "",
+             f"Each trained for the same wall-clock ({rows['eagle3-k7']['budget_seconds']:.0f} s) on the demo's data "
+             f"({r.get('measured', {}).get('drafters', r['date'])}), then validated on the demo's 16 held-out prompts at "
+             "batch size 1 with its recipe's tree: EAGLE-3 a chain of 8, DFlash one block of 8 (7 draft tokens, one "
+             "forward). c is one draft forward over one target decode step (for DFlash the whole block's forward).", "",
+             "| drafter | train steps (s) | trainable params | tau | draft cost c | speedup vs plain | greedy exact |",
+             "|---|---|---|---|---|---|---|"]
+    for name, h in rows.items():
+        lines.append(f"| {name} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['trainable_parameters'] / 1e6:.2f}M | "
+                     f"{h['tau']:.2f} | {h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | {h['exact']} |")
+    base = rows["eagle3-k7"]
+    goals = []
+    if "dflash-b8" in rows:
+        ratio = rows["dflash-b8"]["speedup_vs_plain"] / base["speedup_vs_plain"]
+        goals.append(f"DFlash's speedup is {ratio:.2f}x EAGLE-3's (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})")
+    if "eagle3.1+lk" in rows:
+        gain = rows["eagle3.1+lk"]["tau"] - base["tau"]
+        goals.append(f"EAGLE 3.1 + LK tau {rows['eagle3.1+lk']['tau']:.2f} against {base['tau']:.2f} "
+                     f"(goal: at least EAGLE-3's: {'met' if gain >= 0 else 'not met'})")
+    return lines + [""] + [f"- {g}." for g in goals] + [""]

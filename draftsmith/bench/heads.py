@@ -205,7 +205,8 @@ def render_drafters(r: dict) -> list[str]:
              f"Each trained for the same wall-clock ({rows['eagle3-k7']['budget_seconds']:.0f} s) on the demo's data "
              f"({r.get('measured', {}).get('drafters', r['date'])}), then validated on the demo's 16 held-out prompts at "
              "batch size 1 with its recipe's tree: EAGLE-3 a chain of 8, DFlash one block of 8 (7 draft tokens, one "
-             "forward). c is one draft forward over one target decode step (for DFlash the whole block's forward).", "",
+             "forward). c is the draft's cost per drafted token over one target decode step (for DFlash its one block forward "
+             "divided by the 7 tokens it drafts, so that γ·c is a round's drafting cost for every kind).", "",
              "| drafter | train steps (s) | trainable params | tau | draft cost c | speedup vs plain | greedy exact |",
              "|---|---|---|---|---|---|---|"]
     for name, h in rows.items():

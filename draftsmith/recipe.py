@@ -164,6 +164,7 @@ class HeadConfig:
     num_anchors: int = 512              # dflash: random anchors (blocks) per sequence per step
     loss_gamma: float | None = None     # dflash: slot weights exp(-(k-1)/gamma); None: 7 for B >= 16, else 4
     mask_token_id: int | None = None    # dflash: the mask token (None: the target's pad, else eos token; recorded)
+    dpace_alpha: float | None = None    # dflash: D-PACE slot weights with this floor a instead of the decay (None: decay)
 
 
 @dataclass

@@ -6,7 +6,9 @@
   and every row of its own block, both ways; other blocks are hidden.
 - Labels: slot k (1 <= k < B) predicts the token at p + k: the teacher's distribution at position p + k - 1,
   through `head.objective` (soft cross-entropy by default, or an LK loss). Slot 0 carries no loss.
-- Weights: w_k = exp(-(k - 1)/gamma), the loss normalised by the weight of the positions that count.
+- Weights: w_k = exp(-(k - 1)/gamma), the loss normalised by the weight of the positions that count; or, with
+  `head.dpace_alpha` a, D-PACE's: q_i = exp(-CE_i), q~_i = (1 - a)·q_i + a, C_j = prod_{i<=j} q~_i,
+  w_j = sum_{m>=j} C_m per block, detached (a slot weighs as much as the chance that drafting reaches it and beyond).
 
 Anchors go in groups sized so that one group's attention scores stay under SCORE_BUDGET; with several groups each
 is checkpointed (the context's K/V are computed once and shared)."""
@@ -50,6 +52,13 @@ def sample_anchors(valid_BT: torch.Tensor, num_anchors: int) -> tuple[torch.Tens
     return anchors, ok
 
 
+def dpace_weights(ce_BAK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE: w_j = sum_{m >= j} prod_{i <= m} ((1 - alpha)·exp(-CE_i) + alpha) along each block's slots, detached."""
+    with torch.no_grad():
+        chance = torch.cumprod((1 - alpha) * torch.exp(-ce_BAK) + alpha, dim=-1)
+        return chance.flip(-1).cumsum(-1).flip(-1)
+
+
 def _group_sums(head, kv, ids, probs, valid, argmax, anchors, ok, T: int):
     """(weighted loss sum, weight sum, hits per slot, counts per slot) of one group of anchors."""
     Bs, device = head.block_size, ids.device
@@ -65,8 +74,12 @@ def _group_sums(head, kv, ids, probs, valid, argmax, anchors, ok, T: int):
     batch_idx = torch.arange(B, device=device)[:, None, None]
     counts = ok[:, :, None] & inside & valid[batch_idx, rows]
     logits = head.logits(h).float()
-    loss = position_loss(probs[batch_idx, rows], torch.log_softmax(logits, -1), *head.objective)
-    weights = torch.exp(-(slots[1:].float() - 1) / head.gamma)
+    logq = torch.log_softmax(logits, -1)
+    loss = position_loss(probs[batch_idx, rows], logq, *head.objective)
+    if head.dpace_alpha is None:
+        weights = torch.exp(-(slots[1:].float() - 1) / head.gamma)
+    else:
+        weights = dpace_weights(position_loss(probs[batch_idx, rows], logq.detach()), head.dpace_alpha)
     weighted = (loss * counts * weights).sum()
     with torch.no_grad():
         hits = ((logits.argmax(-1) == argmax[batch_idx, rows]) & counts).sum((0, 1))

@@ -132,9 +132,9 @@ class DFlashHead(DraftHead):
     kind = "dflash"
     FROZEN = ("embed_tokens", "lm_head", "rotary")
 
-    def __init__(self, config: dict, num_anchors: int = 512, gamma: float | None = None):
+    def __init__(self, config: dict, num_anchors: int = 512, gamma: float | None = None, dpace_alpha: float | None = None):
         super().__init__()
-        self.config, self.num_anchors = config, num_anchors
+        self.config, self.num_anchors, self.dpace_alpha = config, num_anchors, dpace_alpha
         self.block_size = config["block_size"]
         self.gamma = gamma or default_gamma(self.block_size)
         self.mask_token_id = config["dflash_config"]["mask_token_id"]
@@ -155,7 +155,7 @@ class DFlashHead(DraftHead):
         block = head_cfg.block_size or DEFAULT_BLOCK_SIZE
         config = draft_config_from_target(target_config, layer_ids, head_cfg.num_layers, block, head_cfg.mask_token_id,
                                           head_cfg.intermediate_size)
-        return cls(config, head_cfg.num_anchors, head_cfg.loss_gamma)
+        return cls(config, head_cfg.num_anchors, head_cfg.loss_gamma, head_cfg.dpace_alpha)
 
     @classmethod
     def from_config(cls, config: dict) -> "DFlashHead":

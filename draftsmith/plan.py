@@ -161,6 +161,11 @@ def head_activation_bytes(recipe, facts: TargetFacts) -> float:
     from draftsmith.heads.ttt import SCORE_BUDGET
     from draftsmith.train.batches import TEACHER_BUDGET
     T, steps, H = recipe.train.max_batch_tokens, recipe.head.ttt_steps or 1, facts.hidden
+    if recipe.head.kind == "dflash":  # anchors x block rows through num_layers layers; full-vocabulary logits per slot
+        from draftsmith.heads.dflash.loss import SCORE_BUDGET as BLOCK_SCORES
+        rows = min(recipe.head.num_anchors, T) * (recipe.head.block_size or 16)
+        return (rows * recipe.head.num_layers * 24 * H * 4 + T * recipe.head.num_layers * 2 * H * 4
+                + rows * facts.vocab * 4 * 3 + min(rows * facts.heads * (T + rows), BLOCK_SCORES) * 4 * 3)
     vocab = recipe.head.draft_vocab_size if recipe.head.kind == "eagle3" else facts.vocab
     kept = T * steps * H * 4 + T * 24 * H * 4 if recipe.train.activation_checkpointing else T * steps * 24 * H * 4
     blocks = min(T * vocab, LOSS_BUDGET) * 4 * 3 + min(T * facts.heads * T, SCORE_BUDGET) * 4 * 3

@@ -220,3 +220,16 @@ def test_dpace_weights_follow_their_definition(target):
     dpace = torch.autograd.grad(head(batch)[0], params)
     assert all(torch.isfinite(g).all() for g in dpace)
     assert not all(torch.allclose(a, b) for a, b in zip(decayed, dpace))  # other slot weights, another gradient
+
+
+def test_qwen3_8b_recipe_has_the_published_settings_and_fits_its_launch():
+    from pathlib import Path
+    from conftest import target_config
+    from draftsmith import plan, recipe as recipe_mod
+    recipe = recipe_mod.load(Path(__file__).resolve().parent.parent / "recipes/qwen3-8b/dflash.yaml")
+    assert (recipe.head.block_size, recipe.head.num_layers, recipe.head.num_anchors, recipe.head.loss_gamma) == (16, 5, 512, 7)
+    assert recipe.capture.layer_ids == default_layer_ids(36) and recipe.head.mask_token_id == 151669
+    out = plan.make_plan(recipe, target_config("Qwen/Qwen3-8B"), 8, 80)
+    assert all(row["fits"] for row in out["stages"].values())
+    head = DFlashHead.from_target(target_config("Qwen/Qwen3-8B"), recipe.head, recipe.capture.layer_ids)
+    assert head.config["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}

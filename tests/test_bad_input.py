@@ -50,7 +50,7 @@ def test_unknown_head_kind_is_refused_by_the_cli_before_any_stage(tmp_path, caps
     path.write_text(f"name: x\nout_dir: {tmp_path}\ntarget: {{model: m}}\nhead: {{kind: eagle9}}\n")
     assert cli.main(["data", "--recipe", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "head.kind='eagle9'" in err and "valid kinds: eagle2, eagle3" in err
+    assert "head.kind='eagle9'" in err and "valid kinds: dflash, eagle2, eagle3" in err
     assert not (tmp_path / "x" / "data").exists()
 
 

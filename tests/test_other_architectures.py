@@ -53,6 +53,17 @@ MODERN = {
     "falcon_h1": (dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16), ["validate.top_k=1", "validate.num_nodes=4"]),
     "lfm2": (dict(layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention"]),
              ["validate.top_k=1", "validate.num_nodes=4"]),
+    "gemma2": (dict(sliding_window=8), []),
+    "olmo3": (dict(sliding_window=8), []),
+    "exaone4": (dict(sliding_window=8), []),
+    "cohere2": (dict(sliding_window=8), []),
+    "mistral": (dict(sliding_window=8), []),
+    "glm4_moe": (dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1), []),
+    "minimax_m2": (dict(num_local_experts=2, num_experts_per_tok=1), []),
+    "qwen3_moe": (dict(num_experts=2, num_experts_per_tok=1), []),
+    "qwen3_5_text": (dict(linear_num_value_heads=4, linear_num_key_heads=2), ["validate.top_k=1", "validate.num_nodes=4"]),
+    "nemotron_h": (dict(hybrid_override_pattern="M*M-M*M", n_routed_experts=2, num_experts_per_tok=1),
+                   ["validate.top_k=1", "validate.num_nodes=4"]),
 }
 
 

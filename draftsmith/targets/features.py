@@ -60,14 +60,19 @@ class Skip(torch.nn.Module):
         self.as_tuple = as_tuple
 
     @classmethod
-    def for_decoder(cls, decoder: torch.nn.Module) -> "Skip":
-        """The form this decoder's loop reads its layers' outputs in (annotations are not reliable)."""
+    def for_decoder(cls, decoder: torch.nn.Module, layer: torch.nn.Module | None = None) -> "Skip":
+        """The form this decoder's loop reads its layers' outputs in (annotations are not reliable), with the
+        plain attributes of the layer it stands in for (the loop may read them: Nemotron-H's `block_type`)."""
         import inspect
         try:
             source = inspect.getsource(type(decoder).forward)
         except (OSError, TypeError):
-            return cls()
-        return cls(as_tuple="layer_outputs[0]" in source)
+            source = ""
+        skip = cls(as_tuple="layer_outputs[0]" in source)
+        for name, value in (vars(layer) if layer is not None else {}).items():
+            if not name.startswith("_") and isinstance(value, (str, int, float, bool)) and name not in ("training", "as_tuple"):
+                setattr(skip, name, value)
+        return skip
 
     def forward(self, hidden_states, *args, **kwargs):
         return (hidden_states,) if self.as_tuple else hidden_states
@@ -116,7 +121,7 @@ class FeatureExtractor:
         kept = {i: layers[i] for i in self.skipped}
         try:
             for i in self.skipped:
-                layers[i] = Skip.for_decoder(self.decoder)
+                layers[i] = Skip.for_decoder(self.decoder, layers[i])
             self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1)
         finally:
             for i, layer in kept.items():

@@ -166,6 +166,10 @@ def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     weights; a tied head returns the embedding twice."""
     config, model = _empty_target(model_dir)
     embed, head = _weight_name(model, model.get_input_embeddings()), _weight_name(model, model.get_output_embeddings())
+    if embed not in _names_on_disk(model_dir):  # renamed while loading (Nemotron-H's backbone.): transformers' own load
+        from transformers import AutoModelForCausalLM
+        whole = AutoModelForCausalLM.from_pretrained(model_dir)
+        return whole.get_input_embeddings().weight.detach(), whole.get_output_embeddings().weight.detach()
     found = _read_weights(model_dir, {embed, head}, "needed for the head's embedding and teacher",
                           optional={head} if _tied(config) else set())
     return found[embed], found.get(head, found[embed])
@@ -185,28 +189,28 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
     are read from the safetensors files, so a 70B target costs a few layers of memory.
 
-    Checkpoints whose tensors transformers converts while loading (fused MoE experts: one
+    Checkpoints whose tensors transformers renames or converts while loading (fused MoE experts: one
     `experts.gate_up_proj` in memory from per-expert tensors on disk, in glm4_moe, minimax_m2,
-    qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4) are loaded whole by `from_pretrained`,
+    qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4; Nemotron-H's `backbone.` names) are loaded whole by `from_pretrained`,
     which owns those conversions, and the skipped layers are dropped after: exact, at the memory of
     the whole target while it loads (said on the console)."""
     config, model = _empty_target(recipe.target.model)
     layers = decoder_of(model).layers
     for i in skip:
-        layers[i] = Skip.for_decoder(decoder_of(model))
+        layers[i] = Skip.for_decoder(decoder_of(model), layers[i])
     head = _weight_name(model, model.get_output_embeddings())
     wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
     dtype = resolve_dtype(recipe.target.dtype, device)
     converted = sorted(wanted - _names_on_disk(recipe.target.model))
-    if converted and any(".experts." in name for name in converted):
+    if converted:
         from transformers import AutoModelForCausalLM
-        print(f"target.model={recipe.target.model!r}: its expert tensors are converted while loading "
+        print(f"target.model={recipe.target.model!r}: its tensors are renamed or converted while loading "
               f"({converted[0]} ...); loading it whole to rebuild features, then keeping {len(layers) - len(skip)} of "
               f"{len(layers)} layers", flush=True)
         model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype)
         layers = decoder_of(model).layers
         for i in skip:
-            layers[i] = Skip.for_decoder(decoder_of(model))
+            layers[i] = Skip.for_decoder(decoder_of(model), layers[i])
         model.requires_grad_(False)
         return model.eval().to(device)
     state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "

@@ -207,7 +207,11 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
         print(f"target.model={recipe.target.model!r}: its tensors are renamed or converted while loading "
               f"({converted[0]} ...); loading it whole to rebuild features, then keeping {len(layers) - len(skip)} of "
               f"{len(layers)} layers", flush=True)
-        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, output_loading_info=True)
+        lacking = sorted(set(info.get("missing_keys", ())) & wanted)  # genuinely absent, not renamed: never initialised at random
+        if lacking:
+            raise ValueError(f"{recipe.target.model}: weight files lack {lacking[:4]}{' ...' if len(lacking) > 4 else ''} "
+                             "(needed to rebuild features at train time; capture with capture.recompute: false instead)")
         layers = decoder_of(model).layers
         for i in skip:
             layers[i] = Skip.for_decoder(decoder_of(model), layers[i])

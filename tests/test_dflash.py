@@ -233,3 +233,13 @@ def test_qwen3_8b_recipe_has_the_published_settings_and_fits_its_launch():
     assert all(row["fits"] for row in out["stages"].values())
     head = DFlashHead.from_target(target_config("Qwen/Qwen3-8B"), recipe.head, recipe.capture.layer_ids)
     assert head.config["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+
+
+def test_a_target_without_a_mask_candidate_is_refused_naming_the_key():
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, eos_token_id=None, pad_token_id=None)
+    with pytest.raises(ValueError, match="head.mask_token_id: the target names no pad or eos token"):
+        DFlashHead.from_target(config, HeadConfig(kind="dflash", block_size=4, num_layers=1), IDS)
+    head = DFlashHead.from_target(config, HeadConfig(kind="dflash", block_size=4, num_layers=1, mask_token_id=7), IDS)
+    assert head.config["dflash_config"]["mask_token_id"] == 7
+    assert head.config["draftsmith"]["mask_token_source"] == "head.mask_token_id"

@@ -39,7 +39,7 @@ def _hybrid(demo_target: Path, out: Path, embedded=None, steps: int = 200) -> Pa
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from draftsmith.targets.embedded import _corpus, _encode_stream, _train_lm
+    from draftsmith.targets.embedded import train_on_corpus
     tokenizer = AutoTokenizer.from_pretrained(demo_target)
     config = AutoConfig.for_model("qwen3_next", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                                   moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -49,9 +49,7 @@ def _hybrid(demo_target: Path, out: Path, embedded=None, steps: int = 200) -> Pa
                                   bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    cfg = dataclasses.replace(embedded, max_steps=steps)
-    train_items, _ = _corpus(cfg, 0.1)
-    _train_lm(model, _encode_stream(tokenizer, train_items), cfg, desc="hybrid target")
+    train_on_corpus(model, tokenizer, dataclasses.replace(embedded, max_steps=steps), desc="hybrid target")
     model.eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -169,6 +169,12 @@ def build_embedded_draft(recipe: Recipe) -> dict:
     return report
 
 
+def train_on_corpus(model, tokenizer, cfg, desc: str = "target") -> tuple[int, float]:
+    """Train any causal LM on the embedded corpus (the stdlib's source, `cfg`'s budget): (steps, seconds)."""
+    train_items, _ = _corpus(cfg, 0.1)
+    return _train_lm(model, _encode_stream(tokenizer, train_items), cfg, desc)
+
+
 def _train_lm(model, stream: torch.Tensor, cfg, desc: str = "target") -> tuple[int, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)

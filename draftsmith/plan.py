@@ -166,7 +166,10 @@ def head_activation_bytes(recipe, facts: TargetFacts) -> float:
         rows = min(recipe.head.num_anchors, T) * (recipe.head.block_size or 16)
         return (rows * recipe.head.num_layers * 24 * H * 4 + T * recipe.head.num_layers * 2 * H * 4
                 + rows * facts.vocab * 4 * 3 + min(rows * facts.heads * (T + rows), BLOCK_SCORES) * 4 * 3)
-    vocab = recipe.head.draft_vocab_size if recipe.head.kind == "eagle3" else facts.vocab
+    vocab = recipe.head.draft_vocab_size if recipe.head.kind in ("eagle3", "peagle") else facts.vocab
+    if recipe.head.kind == "peagle":  # COD: depth d keeps a max(r^d, r_min) share of the positions, through N layers
+        r, r_min = recipe.head.cod_ratio, recipe.head.cod_min_ratio
+        steps = recipe.head.num_layers * (1 + sum(max(r ** d, r_min) for d in range(1, recipe.head.ttt_steps or 8)))
     kept = T * steps * H * 4 + T * 24 * H * 4 if recipe.train.activation_checkpointing else T * steps * 24 * H * 4
     blocks = min(T * vocab, LOSS_BUDGET) * 4 * 3 + min(T * facts.heads * T, SCORE_BUDGET) * 4 * 3
     return kept + blocks + min(T * vocab, TEACHER_BUDGET) * 4

@@ -140,7 +140,8 @@ class HeadConfig:
     """Which head and its objective. Keys a kind does not read are ignored by it (see README)."""
     kind: str = "eagle3"
     draft_vocab_size: int = 32000       # eagle3: the draft vocabulary (eagle2 drafts over the full one)
-    ttt_steps: int | None = None        # unrolled training-time-test steps; None: the kind's default
+    ttt_steps: int | None = None        # unrolled training-time-test steps (peagle: depths trained, the draft tokens
+                                        # of one forward); None: the kind's default (eagle3 7, peagle 8)
     loss_decay: float | None = None     # weight decay^i of step/head i; None: the kind's default (0.8; mtp: beta 0.6, normalised)
     intermediate_size: int | None = None
     fc_bias: bool | None = None         # eagle2: bias of fc; None: as the target family's published heads
@@ -157,14 +158,17 @@ class HeadConfig:
     fc_norm: bool = False               # eagle3 (EAGLE 3.1): one RMSNorm per captured feature before fc
     norm_output: bool = False           # eagle3 (EAGLE 3.1): the normed output feeds both lm_head and the next step
     num_heads: int = 4                  # medusa: K heads, head k predicts token t+2+k
-    num_layers: int = 1                 # medusa: residual SiLU blocks per head; mtp: D modules; dflash: draft layers
+    num_layers: int = 1                 # medusa: residual SiLU blocks per head; mtp: D modules; dflash, peagle: draft
+                                        # layers (published P-EAGLE heads: 4)
     shared_lm_head: bool = False        # medusa: every head reads through the target's frozen lm_head
     lora: LoraJointConfig | None = None  # medusa: set for Medusa-2 (joint LoRA training, capture.mode online)
     block_size: int | None = None       # dflash: B, the block drafted in one forward (None: 16); draft tokens B - 1
     num_anchors: int = 512              # dflash: random anchors (blocks) per sequence per step
     loss_gamma: float | None = None     # dflash: slot weights exp(-(k-1)/gamma); None: 7 for B >= 16, else 4
-    mask_token_id: int | None = None    # dflash: the mask token (None: the target's pad, else eos token; recorded)
+    mask_token_id: int | None = None    # dflash, peagle: the mask token (None: the target's pad, else eos token; recorded)
     dpace_alpha: float | None = None    # dflash: D-PACE slot weights with this floor a instead of the decay (None: decay)
+    cod_ratio: float = 0.7              # peagle: COD sampling keeps int((n - d)·max(r^d, r_min)) chains at depth d
+    cod_min_ratio: float = 0.2          #   (speculators r 0.7, r_min 0.2; SpecForge's Qwen3-8B recipe r 0.8)
 
 
 @dataclass
@@ -192,6 +196,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     activation_checkpointing: bool = False  # recompute each unrolled TTT step in backward: long samples
+    group_by_length: bool = False       # batches of samples of similar lengths (shuffled windows): less padding
     sequence_parallel: int = 1          # consecutive processes that split one sample's positions (eagle3, eagle2, mtp)
     corrupt_samples: str = "fail"   # a sample failing its checksum: stop naming it, or skip (mask) and count it
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -424,6 +429,10 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
     if min(par.tp, par.pp, par.ep) < 1 or par.ep not in (1, par.tp):
         raise RecipeError(f"{source}: target.parallel tp={par.tp} pp={par.pp} ep={par.ep}: expected sizes >= 1 and "
                           "ep either 1 or equal to tp (experts are split over the ranks of one tensor-parallel group)")
+    head = recipe.head
+    if not (0 < head.cod_min_ratio <= head.cod_ratio <= 1):
+        raise RecipeError(f"{source}: head.cod_ratio={head.cod_ratio}, head.cod_min_ratio={head.cod_min_ratio}: expected "
+                          "0 < cod_min_ratio <= cod_ratio <= 1")
     econ = recipe.economics
     if econ.draft_model_embedded is not None and (recipe.target.embedded is None or not econ.draft_model):
         raise RecipeError(f"{source}: economics.draft_model_embedded needs target.embedded (it shares the embedded "

@@ -63,6 +63,7 @@ def test_store_matches_independent_hidden_states(micro_pipeline):
     m = store.manifest
     assert m["recompute"] and m["stored_layer_ids"] == m["layer_ids"][1:] and m["compression"] == "zstd"
     assert store[0]["teacher"] is None and store[0]["aux"].shape[-1] == 2 * m["hidden_size"]
+    assert store.lengths() == [len(store[i]["input_ids"]) for i in range(len(store))]  # from offsets, no sample read
     _check_against_transformers(micro_pipeline, store, atol=0.05, rtol=0.02)  # bf16 storage
 
 

@@ -29,6 +29,8 @@ from draftsmith.heads.medusa import formats as medusa_formats
 from draftsmith.heads.medusa.model import MedusaHead, draft_config_from_target as medusa_config
 from draftsmith.heads.mtp import formats as mtp_formats
 from draftsmith.heads.mtp.model import MTPHead, draft_config_from_target as mtp_config
+from draftsmith.heads.peagle import formats as peagle_formats
+from draftsmith.heads.peagle.model import PEagleHead
 from draftsmith.recipe import HeadConfig
 
 V = 96
@@ -93,6 +95,16 @@ def sglang_eagle3(c: dict) -> dict:
 
 def speculators_eagle3(c: dict) -> dict:
     return eagle3_params(c, "layers.0.", c["transformer_layer_config"])
+
+
+def vllm_peagle(c: dict) -> dict:
+    """vLLM's multi-layer EAGLE-3 draft with parallel drafting: layer 0 as EAGLE-3's, layers 1.. plain Llama layers
+    reading H, and the mask state it projects through fc at load."""
+    H = c["hidden_size"]
+    out = eagle3_params(c, "layers.0.", c) | {"mask_hidden": (1, 1, 3 * c["target_hidden_size"])}
+    for i in range(1, c["num_hidden_layers"]):
+        out |= llama_layer_params(c, f"layers.{i}.", H, False, False, input_norm=True)
+    return out
 
 
 def vllm_medusa(c: dict) -> dict:
@@ -207,3 +219,40 @@ def test_transformers_resolves_the_export_dtype_from_the_written_config(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert loaded.dtype == torch_dtype and loaded.attention_bias is False
+
+
+# today's targets (real configs, facts in tests/fixtures/target_configs.json): the full-attention layers' RoPE
+# (theta, scaling type, factor) a head built as a full-attention layer must carry
+TODAYS_TARGETS = {"openai/gpt-oss-120b": (150000.0, "yarn", 32.0),
+                  "meta-llama/Llama-4-Scout-17B-16E-Instruct": (500000.0, None, None),
+                  "Qwen/Qwen3-Next-80B-A3B-Instruct": (10000000.0, None, None),
+                  "google/gemma-3-27b-it": (1000000.0, "linear", 8.0)}   # not the sliding layers' local 10K
+
+
+@pytest.mark.parametrize("name", TODAYS_TARGETS)
+@pytest.mark.parametrize("kind, engine, rules", [("eagle3", "sglang", sglang_eagle3), ("eagle3", "vllm", sglang_eagle3),
+                                                 ("eagle3", "speculators", speculators_eagle3),
+                                                 ("peagle", "vllm", vllm_peagle)])
+def test_exports_for_todays_targets_are_full_attention_llama_layers_the_engines_build(name, kind, engine, rules):
+    """On windowed, chunked, hybrid and MoE targets the head stays a full-attention Llama layer (as every published
+    head for them): the config carries the target's sizes and its full-attention RoPE, no window or per-layer types
+    that would make an engine build a windowed or hybrid draft layer, and the tensors the engine allocates from it."""
+    from conftest import target_config
+    target = target_config(name)
+    text = target.get_text_config()
+    with torch.device("meta"):  # real sizes, shapes only
+        if kind == "eagle3":
+            head = Eagle3Head(eagle3_config(target, 32000, [2, 3, 4]))
+        else:
+            head = PEagleHead.from_target(target, HeadConfig(kind="peagle", num_layers=3, mask_token_id=0), [2, 3, 4])
+    formats = {"eagle3": eagle3_formats, "peagle": peagle_formats}[kind]
+    config, tensors = formats.ADAPTERS[engine](head.trainable_state(), head.draft_config(), "bf16")
+    _check(config, tensors, rules(config), torch.bfloat16)
+    layer = config.get("transformer_layer_config", config)
+    assert (layer["hidden_size"], layer["head_dim"], layer["num_key_value_heads"]) == \
+        (text.hidden_size, text.head_dim, text.num_key_value_heads)
+    assert not layer.get("sliding_window") and not layer.get("use_sliding_window") and "layer_types" not in layer
+    theta, scaling, factor = TODAYS_TARGETS[name]
+    assert layer["rope_theta"] == theta
+    assert (layer.get("rope_scaling") or {}).get("rope_type") == scaling
+    assert (layer.get("rope_scaling") or {}).get("factor") == factor

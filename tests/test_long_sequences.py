@@ -144,3 +144,25 @@ def test_nothing_quadratic_or_vocabulary_wide_is_kept_for_backward(kind, monkeyp
     widest = 2 * T * 3 * H                              # the widest activation: the three target features
     assert largest_saved(False) >= min(quadratic, 2 * (T - 3) * vocab) > widest
     assert largest_saved(True) <= widest
+
+
+@pytest.mark.parametrize("world, batch_size", [(1, 4), (2, 3)])
+def test_length_grouped_batches_hold_every_sample_once_with_less_padding(world, batch_size):
+    from draftsmith.train.batches import epoch_order
+    gen = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(600, generator=gen) ** 3 * 4000 + 16).long().tolist()   # long-tailed, as reasoning traces
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
+    for epoch in range(2):
+        plain = [epoch_order(600, 1, epoch, r, world, batch_size) for r in range(world)]
+        grouped = [epoch_order(600, 1, epoch, r, world, batch_size, lengths) for r in range(world)]
+        assert grouped == [epoch_order(600, 1, epoch, r, world, batch_size, lengths) for r in range(world)]  # resumable
+        assert [len(g) for g in grouped] == [len(p) for p in plain]            # the same steps per epoch
+        seen = sorted(i for rank in grouped for b in rank for i in b)
+        assert seen == sorted(i for rank in plain for b in rank for i in b) and len(set(seen)) == len(seen)
+        assert padding([b for rank in grouped for b in rank]) < 0.2 * padding([b for rank in plain for b in rank])
+        # the ranks of one step hold samples of similar lengths (equally busy)
+        if world == 2:
+            step_gap = [abs(max(lengths[i] for i in a) - max(lengths[i] for i in b)) for a, b in zip(*grouped)]
+            plain_gap = [abs(max(lengths[i] for i in a) - max(lengths[i] for i in b)) for a, b in zip(*plain)]
+            assert sum(step_gap) < 0.2 * sum(plain_gap)

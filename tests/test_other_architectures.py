@@ -78,3 +78,30 @@ def test_pipeline_on_modern_architectures(tmp_path, micro_target, arch):
     validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
     assert validation["exact_match"] and validation["exact_vs_generate"], summary
     assert (recipe.run_dir / "export" / "sglang" / "config.json").exists()
+
+
+# every other head kind on today's layouts: each kind on a target whose layers its drafting or features must get
+# right (windows and sinks, chunks, linear attention, state-space layers)
+KIND_ON_TARGET = {
+    ("eagle2", "gpt_oss"): [],
+    ("mtp", "qwen3_next"): [],
+    ("medusa", "falcon_h1"): ["head.num_heads=3"],
+    ("dflash", "gemma3_text"): ["head.block_size=4", "head.num_layers=1", "head.num_anchors=16", "validate.depth=3"],
+    ("peagle", "llama4_text"): ["head.num_layers=2", "head.ttt_steps=4", "validate.depth=3"],
+    ("eagle2", "lfm2"): [],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, arch", sorted(KIND_ON_TARGET))
+def test_other_head_kinds_on_modern_architectures(tmp_path, micro_target, kind, arch):
+    extra, overrides = MODERN[arch]
+    chains = ["validate.top_k=1", "validate.num_nodes=4"] if kind in ("dflash", "peagle") else []
+    target = _save_target(tmp_path / arch, arch, micro_target, **extra)
+    recipe = micro_recipe(tmp_path / "runs", target, "target.embedded=null", "data.max_conversations=24",
+                          "train.max_steps=2", "validate.num_prompts=2", "validate.max_new_tokens=24", f"head.kind={kind}",
+                          *overrides, *chains, *KIND_ON_TARGET[kind, arch])
+    summary = run_all(recipe)
+    validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+    assert validation["exact_match"] and validation["exact_vs_generate"], summary
+    assert any((recipe.run_dir / "export").iterdir())

@@ -52,6 +52,16 @@ class CaptureStore(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    def lengths(self) -> list[int]:
+        """Every sample's token count, from the shards' offsets (no sample is read)."""
+        out = [0] * len(self.index)
+        for shard in self.manifest["shards"]:
+            handle, _ = self._handle(shard["file"])
+            counts = handle.get_tensor("input_ids.offsets").diff().tolist()
+            for local, sample in enumerate(handle.get_tensor("sample_index").tolist()):
+                out[sample] = counts[local]
+        return out
+
     def _handle(self, name: str):
         if name not in self.handles:  # opened lazily so each DataLoader worker maps its own
             handle = safe_open(str(self.store / name), framework="pt")

@@ -54,3 +54,30 @@ def target_value(t, key: str, used_defaults: list[str]):
             return value
     used_defaults.append(key)
     return LLAMA_DEFAULTS[key]
+
+
+def mask_token(t, explicit: int | None) -> tuple[int, str]:
+    """(id, where it came from) of the mask token of heads that draft from placeholder slots (DFlash, P-EAGLE):
+    `head.mask_token_id` when set, else the target's pad token, else its end-of-sequence token."""
+    if explicit is not None:
+        return int(explicit), "head.mask_token_id"
+    pad, eos = getattr(t, "pad_token_id", None), getattr(t, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) else eos
+    if pad is not None:
+        return int(pad), "pad_token_id"
+    if eos is not None:
+        return int(eos), "eos_token_id"
+    raise ValueError("head.mask_token_id: the target names no pad or eos token; set the mask token's id "
+                     "(the tokenizer's <|MASK|> where it has one, else an unused embedding row)")
+
+
+def full_attention_rope(t) -> dict:
+    """The target's RoPE parameters for a full-attention layer, as transformers 5 holds them (`rope_parameters`, with
+    `rope_theta`): one dict, or one per layer type (Gemma 3: local theta 10K on sliding layers, linear x8 scaling and
+    theta 1M on full ones), of which a head built as a full-attention layer takes the full-attention entry."""
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    if rope.get("rope_theta") is None and getattr(t, "rope_theta", None) is not None:
+        rope["rope_theta"] = t.rope_theta
+    return rope

@@ -84,6 +84,20 @@ def pad_rows(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
     return out
 
 
+def padded_commits(rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor], batch_size: int):
+    """(tokens [B, T], features [B, T, K], counts per row) of an `extend_rows` call over all B rows: the listed
+    rows' new positions, padded to the longest; rows not listed have none."""
+    counts = [0] * batch_size
+    for r, t in zip(rows, tokens):
+        counts[r] = len(t)
+    T = max(counts)
+    empty_tok, empty_feat = tokens[0][:0], features[0][:0]
+    by_row = {r: (t, f) for r, t, f in zip(rows, tokens, features)}
+    tokens_BT = pad_rows([by_row.get(b, (empty_tok, None))[0] for b in range(batch_size)], T)
+    feats_BTK = pad_rows([by_row.get(b, (None, empty_feat))[1] for b in range(batch_size)], T)
+    return tokens_BT, feats_BTK, counts
+
+
 class TreeDrafter(BatchOfOne):
     """The `Drafter` of heads that run one attention layer per step over a draft KV cache of their
     own (EAGLE-3, EAGLE-2, MTP), for B rows at once: a preallocated cache [B, kv, L, d] that keeps each
@@ -123,16 +137,10 @@ class TreeDrafter(BatchOfOne):
     def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
         """Commit positions [length_r, length_r + T_r) of each listed row in one forward over all B rows
         (rows not listed, and the padding of shorter ones, write to the trash slot and are not read)."""
-        counts = [0] * self.batch_size
-        for r, t in zip(rows, tokens):
-            counts[r] = len(t)
-        T, dev = max(counts), self.device
+        tokens_BT, feats_BTK, counts = padded_commits(rows, tokens, features, self.batch_size)
+        T, dev, feats_BTK = tokens_BT.shape[1], self.device, feats_BTK.to(self.k.dtype)
         if max(n + c for n, c in zip(self.lengths, counts)) > self.trash:
             raise ValueError(f"draft context exceeds the runtime's max_len={self.max_len - 1}")
-        empty_tok, empty_feat = tokens[0][:0], features[0][:0]
-        by_row = {r: (t, f) for r, t, f in zip(rows, tokens, features)}
-        tokens_BT = pad_rows([by_row.get(b, (empty_tok, None))[0] for b in range(self.batch_size)], T)
-        feats_BTK = pad_rows([by_row.get(b, (None, empty_feat))[1] for b in range(self.batch_size)], T).to(self.k.dtype)
         counts_B = torch.tensor(counts, device=dev)
         offsets = torch.arange(T, device=dev)
         positions = self.lengths_B[:, None] + offsets

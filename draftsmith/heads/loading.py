@@ -30,16 +30,16 @@ def load_head(path: str | Path, target_config, embed_weight: torch.Tensor | None
     else:
         raise artifacts.ArtifactError(f"{path}: neither a draftsmith checkpoint (head.json) nor an exported head (config.json)")
     head = spec.model.from_config(config)
-    tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens")}
+    saved = set(head.trainable_state())  # frozen target weights (embedding, lm_head) are never in a head's files
+    tensors = {k: v for k, v in tensors.items() if k in saved or not k.startswith(head.FROZEN + ("embed_tokens",))}
+    if embed_weight is not None:  # the target's frozen weights first: a head that trains its own embedding overrides it
+        head.load_target_weights(embed_weight, lm_head_weight)
     try:
         missing, unexpected = head.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:  # shapes that do not fit the config
         raise artifacts.ArtifactError(f"{path}: weights do not fit a {spec.kind} head for this target "
                                       f"({str(exc).splitlines()[-1].strip()})") from None
-    saved = set(head.trainable_state())  # frozen target weights (embedding, lm_head) are never in a head's files
     missing = [m for m in missing if m in saved]
     if missing or unexpected:
         raise artifacts.ArtifactError(f"{path}: weights do not fit a {spec.kind} head (missing {missing}, unexpected {unexpected})")
-    if embed_weight is not None:
-        head.load_target_weights(embed_weight, lm_head_weight)
     return head.eval(), meta

@@ -24,6 +24,7 @@ PACKAGES = {
     "eagle3": "draftsmith.heads.eagle3",
     "medusa": "draftsmith.heads.medusa",
     "mtp": "draftsmith.heads.mtp",
+    "peagle": "draftsmith.heads.peagle",
 }
 
 

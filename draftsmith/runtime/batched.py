@@ -206,8 +206,10 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
                 for store, value in zip(extend, (b, torch.cat([accepted, bonus.view(1)]), features[b, path])):
                     store.append(value)
             roots[b] = bonus
-        if drafter is not None and extend[0]:
+        if drafter is not None and extend[0]:  # committing is the draft's work too
+            t2 = time.perf_counter()
             drafter.extend_rows(*extend)
+            result.draft_seconds += time.perf_counter() - t2
     _sync(target.device)
     result.seconds = time.perf_counter() - start
     return result

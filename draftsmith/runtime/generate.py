@@ -90,8 +90,10 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
         result.draft_seconds += t1 - t0
         result.accept_lengths.append(len(path) - 1)
         tokens, done = _finish(tokens, accepted.tolist() + [int(bonus)], eos_ids, max_new_tokens)
-        if not done:
+        if not done:  # committing is the draft's work too (EAGLE's first step, a parallel drafter's whole forward)
+            t2 = time.perf_counter()
             drafter.extend(torch.cat([accepted, bonus.view(1)]), features[path])
+            result.draft_seconds += time.perf_counter() - t2
             root = bonus
     _sync(target.device)
     result.seconds = time.perf_counter() - start

@@ -1,5 +1,6 @@
 """The latency ratio the runtime reports: one draft step against one plain target decode step (the cost
-ratio c). HF `generate`'s time comes with its reference output (`validate.generate_reference`)."""
+ratio c), a draft step being a drafting round's work (commit a position, draft the tree) over its depth, so that
+γ·c is a round's drafting cost for every kind (a parallel drafter does its one forward when it commits). HF `generate`'s time comes with its reference output (`validate.generate_reference`)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +9,7 @@ import torch
 
 
 def draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> float:
-    """Seconds of one draft expansion step over the seconds of one plain target decode step."""
+    """Seconds of one drafting round per drafted token over the seconds of one plain target decode step."""
     target.reset()
     drafter.reset()
     _, features, _ = target.prefill(prompt)
@@ -16,6 +17,7 @@ def draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> 
     drafter.draft_tree(prompt[-1])  # warm-up: a baseline's first draft reads the whole prompt
     start = time.perf_counter()
     for _ in range(repeats):
+        drafter.extend(prompt[-1:], features[-1:])
         drafter.draft_tree(prompt[-1])
     per_draft_step = (time.perf_counter() - start) / repeats / max(drafter.tree_cfg.depth, 1)
     one = torch.ones(1, 1, dtype=torch.bool, device=target.device)

@@ -11,13 +11,26 @@ from draftsmith.data.records import to_sample
 from draftsmith.targets.features import FeatureExtractor
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
-    """Deterministic batches of sample indices for (epoch, rank): resume can skip to any of them."""
+def epoch_order(num_samples: int, seed: int, epoch: int, rank: int, world: int, batch_size: int,
+                lengths: list[int] | None = None) -> list[list[int]]:
+    """Deterministic batches of sample indices for (epoch, rank): resume can skip to any of them. With `lengths`
+    (train.group_by_length) the shuffled samples are sorted by length within windows of GROUP_WINDOW global batches
+    and the global batches shuffled again: a batch holds samples of similar lengths (little padding, ranks of one
+    step equally busy), and every sample still comes once per epoch."""
     gen = torch.Generator().manual_seed(seed * 1000003 + epoch)
     order = torch.randperm(num_samples, generator=gen).tolist()
-    usable = len(order) - len(order) % (world * batch_size) if len(order) >= world * batch_size else len(order)
+    group = world * batch_size
+    usable = len(order) - len(order) % group if len(order) >= group else len(order)
+    if lengths is not None and usable:
+        window = group * GROUP_WINDOW
+        ranked = [sorted(order[s:min(s + window, usable)], key=lambda i: -lengths[i]) for s in range(0, usable, window)]
+        batches = [w[j:j + group] for w in ranked for j in range(0, len(w), group)]
+        order = [i for b in torch.randperm(len(batches), generator=gen).tolist() for i in batches[b]] + order[usable:]
     mine = order[:usable][rank::world]
     return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+GROUP_WINDOW = 64  # global batches whose samples are sorted by length together
 
 
 class OnlineSource:
@@ -28,6 +41,9 @@ class OnlineSource:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.dataset["input_ids"]]
 
     def records(self, indices: list[int]) -> list[dict]:
         records, _ = batch_records(self.extractor, self.dataset[indices], "fp32")
@@ -43,6 +59,9 @@ class TokenSource:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.dataset["input_ids"]]
 
     def records(self, indices: list[int]) -> list[dict]:
         from draftsmith.data.records import teacher_positions
@@ -63,6 +82,9 @@ class OfflineSource:
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def lengths(self) -> list[int]:
+        return self.store.lengths()
 
     def records(self, indices: list[int]) -> list[dict]:
         return [self._read(i) for i in indices]
@@ -172,6 +194,10 @@ class Subset:
 
     def records(self, idx: list[int]) -> list[dict]:
         return self.source.records([self.indices[i] for i in idx])
+
+    def lengths(self) -> list[int]:
+        every = self.source.lengths()
+        return [every[i] for i in self.indices]
 
     @property
     def num_corrupt(self) -> int:

@@ -90,6 +90,7 @@ class Trainer:
         size = self.cfg.sequence_parallel  # the ranks of one sequence-parallel group read the same sample
         self.data_world, self.data_rank = layout.dp // size, layout.replica // size
         world, rank = self.data_world, self.data_rank
+        self.lengths = source.lengths() if self.cfg.group_by_length else None
         self.batches_per_epoch = len(B.epoch_order(len(source), self.cfg.seed, 0, rank, world, self.cfg.batch_size))
         if self.batches_per_epoch == 0:
             raise ValueError(f"train.batch_size={self.cfg.batch_size} x {world} processes exceeds the {len(source)} training samples")
@@ -140,7 +141,7 @@ class Trainer:
         world, rank = self.data_world, self.data_rank
         epoch, offset = divmod(self.micro_step, self.batches_per_epoch)
         while True:
-            order = B.epoch_order(len(self.source), self.cfg.seed, epoch, rank, world, self.cfg.batch_size)
+            order = B.epoch_order(len(self.source), self.cfg.seed, epoch, rank, world, self.cfg.batch_size, self.lengths)
             for indices in order[offset:]:
                 yield indices
             epoch, offset = epoch + 1, 0

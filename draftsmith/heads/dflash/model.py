@@ -21,7 +21,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftsmith.heads.base import DraftHead, target_value as _target_value
+from draftsmith.heads.base import DraftHead, full_attention_rope, mask_token, target_value as _target_value
 from draftsmith.heads.dflash.loss import dflash_loss
 
 DEFAULT_BLOCK_SIZE = 16
@@ -47,17 +47,9 @@ def draft_config_from_target(target_config, layer_ids: list[int], num_layers: in
     """The z-lab-style config: a Qwen3 stack at the target's hidden size, the block size, the mask token."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     defaults: list[str] = []
-    rope = dict(getattr(t, "rope_parameters", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(t, "rope_theta", None)) or _target_value(t, "rope_theta", defaults)
+    rope_theta = full_attention_rope(t).get("rope_theta") or _target_value(t, "rope_theta", defaults)
     heads = t.num_attention_heads
-    mask_source = "head.mask_token_id"
-    if mask_token_id is None:  # no mask token named: the pad token, else the end-of-sequence token (recorded)
-        pad, eos = getattr(t, "pad_token_id", None), getattr(t, "eos_token_id", None)
-        eos = eos[0] if isinstance(eos, list) else eos
-        mask_token_id, mask_source = (pad, "pad_token_id") if pad is not None else (eos, "eos_token_id")
-        if mask_token_id is None:
-            raise ValueError("head.mask_token_id: the target names no pad or eos token; set the mask token's id "
-                             "(the tokenizer's <|MASK|> where it has one, else an unused embedding row)")
+    mask_token_id, mask_source = mask_token(t, mask_token_id)
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": t.hidden_size, "target_hidden_size": t.hidden_size,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads import family
-from draftsmith.heads.base import DraftHead
+from draftsmith.heads.base import DraftHead, full_attention_rope
 from draftsmith.heads.eagle2.loss import eagle2_loss
 
 DEFAULT_TTT_STEPS = 1  # the published EAGLE-1 objective; BENCHMARKS.md measures k > 1
@@ -51,6 +51,7 @@ def _llama_layer_config(text) -> dict:
     source = text.to_dict()
     keys = {k: source[k] for k in LLAMA_LAYER_KEYS if source.get(k) is not None}
     keys["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    keys["rope_parameters"] = full_attention_rope(text)  # one dict, a full-attention layer's (Gemma 3 holds one per type)
     return LlamaConfig(**keys, hidden_act="silu", attention_bias=False, mlp_bias=False).to_dict()
 
 

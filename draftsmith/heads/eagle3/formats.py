@@ -150,6 +150,8 @@ def recognizes(config: dict) -> bool:
     """An EAGLE-3 layout: speculators eagle3, or an HF-style config with a draft vocabulary."""
     if "speculators_model_type" in config:
         return config["speculators_model_type"] == "eagle3"
+    if config.get("parallel_drafting") or "PEagleDraftModel" in (config.get("architectures") or []):
+        return False  # P-EAGLE's (heads/peagle)
     return "draft_vocab_size" in config or "Eagle3" in "".join(config.get("architectures") or [])
 
 

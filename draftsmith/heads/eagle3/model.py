@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.heads.base import DraftHead, target_value as _target_value
+from draftsmith.heads.base import DraftHead
+from draftsmith.heads.eagle_layer import EagleLayer, eagle_config_from_target, llama_config
 from draftsmith.heads.eagle3.loss import ttt_loss
 
 
@@ -30,84 +30,9 @@ def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: li
     """The head's HF-style config: a Llama layer sized from the target, whatever its family (dense,
     windowed, hybrid or MoE); sizes a target names otherwise are read under their names, and the ones it
     lacks take Llama defaults, listed in `draftsmith.defaults`."""
-    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    defaults: list[str] = []
-    rope = dict(getattr(t, "rope_parameters", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(t, "rope_theta", None))
-    if rope_theta is None:
-        rope_theta = _target_value(t, "rope_theta", defaults)
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling.get("rope_type", "default") == "default":
-        scaling = None
-    heads = t.num_attention_heads
-    mlp = intermediate_size or getattr(t, "intermediate_size", None) or getattr(t, "ffn_dim", None) or 4 * t.hidden_size
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": t.hidden_size, "target_hidden_size": t.hidden_size,
-        "intermediate_size": mlp,
-        "num_attention_heads": heads, "num_key_value_heads": getattr(t, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // heads,
-        "num_hidden_layers": 1, "rms_norm_eps": _target_value(t, "rms_norm_eps", defaults),
-        "hidden_act": "silu",  # the engines' Llama draft layer runs SiLU whatever the target's MLP does
-        "max_position_embeddings": _target_value(t, "max_position_embeddings", defaults),
-        "rope_theta": rope_theta, "rope_scaling": scaling,
-        "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
-        "fc_norm": bool(fc_norm), "norm_output": bool(norm_output),
-        "bos_token_id": getattr(t, "bos_token_id", None), "eos_token_id": getattr(t, "eos_token_id", None),
-        "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer", "defaults": defaults,
-                       "target_model_type": getattr(t, "model_type", None)},
-    }
-
-
-def _llama_config(cfg: dict) -> LlamaConfig:
-    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-    if cfg.get("rope_scaling"):
-        rope = {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
-        rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-    return LlamaConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                       num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-                       head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], hidden_act=cfg["hidden_act"],
-                       max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-                       rope_parameters=rope, num_hidden_layers=1)
-
-
-class Eagle3Attention(nn.Module):
-    """q/k/v read the 2H-wide input; the actual attention is delegated to `attend`, so training
-    (training-time-test pattern) and the runtime (KV cache + tree mask) share these weights."""
-
-    def __init__(self, cfg: dict):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        width = 2 * cfg["hidden_size"]
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg["hidden_size"], bias=False)
-
-    def forward(self, x_BTW, cos, sin, attend):
-        B, T, _ = x_BTW.shape
-        q = self.q_proj(x_BTW).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BTW).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BTW).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out_BhTd = attend(q, k, v)
-        return self.o_proj(out_BhTd.transpose(1, 2).reshape(B, T, -1))
-
-
-class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        eps = cfg["rms_norm_eps"]
-        self.hidden_norm = LlamaRMSNorm(cfg["hidden_size"], eps)
-        self.input_layernorm = LlamaRMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = Eagle3Attention(cfg)
-        self.mlp = LlamaMLP(_llama_config(cfg))
-
-    def forward(self, emb_BTH, h_BTH, cos, sin, attend):
-        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(h_BTH)], dim=-1)
-        h = h_BTH + self.self_attn(x, cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    return eagle_config_from_target(target_config, draft_vocab_size, layer_ids, intermediate_size,
+                                    architectures=["LlamaForCausalLMEagle3"], fc_norm=bool(fc_norm),
+                                    norm_output=bool(norm_output))
 
 
 DEFAULT_TTT_STEPS = 7  # EAGLE and SpecForge unroll 7 steps
@@ -134,10 +59,10 @@ class Eagle3Head(DraftHead):
         self.fc_norm = nn.ModuleList([LlamaRMSNorm(config["target_hidden_size"], config["rms_norm_eps"])
                                       for _ in range(num_aux)]) if config.get("fc_norm") else None
         self.norm_output = bool(config.get("norm_output"))
-        self.midlayer = Eagle3Layer(config)
+        self.midlayer = EagleLayer(config)
         self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
         self.lm_head = nn.Linear(H, Vd, bias=False)
-        self.rotary = LlamaRotaryEmbedding(_llama_config(config))
+        self.rotary = LlamaRotaryEmbedding(llama_config(config))
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
 

@@ -122,8 +122,12 @@ def stage_memory(recipe, facts: TargetFacts, layout: Layout, stage: str, zero3: 
         batch = data.regen.batch_size if layout.pp == 1 else 1
         parts["kv_cache"] = batch * (data.max_length + data.regen.max_new_tokens) * kv_per_token
         parts["activations"] = batch * data.max_length * (8 * facts.hidden * b) + batch * facts.vocab * 4 * 2
-    elif stage == "capture":
-        parts["activations"] = recipe.capture.batch_tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
+    elif stage == "capture":  # capture.chunk_tokens: one chunk's activations, and the cache of the batch's tokens
+        chunk = recipe.capture.chunk_tokens
+        tokens = min(recipe.capture.batch_tokens, chunk) if chunk else recipe.capture.batch_tokens
+        parts["activations"] = tokens * (8 * facts.hidden + 3 * facts.ffn / layout.tp) * b
+        if chunk:
+            parts["kv_cache"] = max(recipe.capture.batch_tokens, data.max_length) * kv_per_token
     elif stage in ("validate", "economics"):  # economics sizes its batches to the memory left (economics.memory_fraction)
         v = recipe.validate
         parts["kv_cache"] = (data.max_length + v.max_new_tokens + v.num_nodes) * kv_per_token

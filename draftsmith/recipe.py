@@ -117,6 +117,8 @@ class CaptureConfig:
     # N - layer_ids[-1] target layers (5 of N layers with the defaults)
     recompute: bool = True
     compression: str = "zstd"
+    chunk_tokens: int | None = None     # run a sample longer than this through the target in chunks over its own cache
+                                        # (a prefill in pieces: one chunk's activations at a time); None: whole
 
 
 @dataclass

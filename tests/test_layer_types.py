@@ -127,3 +127,22 @@ def test_a_recurrent_target_decodes_batched_at_batch_size_one():
 
     out = batched_generate(runner, [prompt], NEW, GREEDY, set(), drafter=Rows(reference, PROMPT, DEPTH, 128, width=1))
     assert out.tokens[0] == reference
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("stop_after_features", [False, True])
+def test_capture_in_chunks_equals_one_forward(model_type, stop_after_features):
+    """capture.chunk_tokens: a sample several chunks (and windows) long, run in chunks over the model's own cache,
+    gives the features (and the final hidden state) of one whole forward, padded rows included."""
+    from draftsmith.targets.features import FeatureExtractor
+    model = tiny_target(model_type) if model_type != "llama" else AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **BASE, initializer_range=INIT)).eval()
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 29:] = 0  # a shorter sample, right-padded
+    whole = FeatureExtractor(model, [1, 3], stop_after_features)(ids, mask)
+    chunked = FeatureExtractor(model, [1, 3], stop_after_features, chunk_tokens=8)(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(chunked[0][real], whole[0][real], rtol=1e-4, atol=1e-4)
+    if not stop_after_features:
+        torch.testing.assert_close(chunked[1][real], whole[1][real], rtol=1e-4, atol=1e-4)

@@ -235,7 +235,8 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     model = load_target(recipe, device, layout, "capture")
     cfg = model.config.get_text_config()
     spec = make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest, needs)
-    extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute)
+    extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute,
+                                 chunk_tokens=recipe.capture.chunk_tokens)
     if dry_run:
         return projected_bytes(dataset, spec, feature_ratio(extractor, dataset, spec))
     store = capture_dir(recipe)

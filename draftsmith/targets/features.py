@@ -84,8 +84,8 @@ class FeatureExtractor:
     The same object serves offline capture and online training, so both see identical tensors.
     `stop_after_features` skips the decoder layers above the highest id (final is then None)."""
 
-    def __init__(self, model, layer_ids: list[int], stop_after_features: bool = False):
-        self.model, self.layer_ids = model, layer_ids
+    def __init__(self, model, layer_ids: list[int], stop_after_features: bool = False, chunk_tokens: int | None = None):
+        self.model, self.layer_ids, self.chunk_tokens = model, layer_ids, chunk_tokens
         self.decoder = decoder_of(model)
         self._captured: dict[int, torch.Tensor] = {}
         self.handles = [self.decoder.register_forward_hook(self._keep_final)]
@@ -122,11 +122,32 @@ class FeatureExtractor:
         try:
             for i in self.skipped:
                 layers[i] = Skip.for_decoder(self.decoder, layers[i])
+            T, C = input_ids_BT.shape[1], self.chunk_tokens
+            if C and T > C:
+                return self._by_chunks(input_ids_BT, attention_mask_BT, C)
             self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1)
         finally:
             for i, layer in kept.items():
                 layers[i] = layer
         return self.aux(), None if self.skipped else self._final
+
+    def _by_chunks(self, ids_BT, mask_BT, chunk: int):
+        """The forward in chunks of positions over the model's own cache (its KV, windowed and recurrent layers'
+        states), as a prefill in pieces: activations of one chunk at a time, features concatenated."""
+        import inspect
+        cache_kwarg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        auxes, finals, cache = [], [], None
+        for start in range(0, ids_BT.shape[1], chunk):
+            end = min(ids_BT.shape[1], start + chunk)
+            self._captured.clear()
+            mask = None if mask_BT is None else mask_BT[:, :end]
+            out = self.model(input_ids=ids_BT[:, start:end], attention_mask=mask, use_cache=True, logits_to_keep=1,
+                             **{cache_kwarg: cache})
+            cache = out.past_key_values
+            auxes.append(self.aux())
+            finals.append(self._final)
+        aux = torch.cat(auxes, dim=1) if self.layer_ids else None
+        return aux, None if self.skipped else torch.cat(finals, dim=1)
 
     def aux(self) -> torch.Tensor | None:
         """The hooked layers' outputs of the last forward, concatenated low to high."""

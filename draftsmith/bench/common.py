@@ -1,4 +1,5 @@
-"""What every bench section shares: the machine line, a scratch copy of the demo's data stage."""
+"""What every bench section shares: the machine line, a scratch copy of the demo's data stage, tiny targets of other
+architectures trained on the demo's corpus."""
 from __future__ import annotations
 
 import platform
@@ -29,3 +30,22 @@ def link_data(recipe, source_recipe) -> None:
     shutil.copytree(source_recipe.run_dir / "data", dst)
     shutil.rmtree(recipe.run_dir / "train", ignore_errors=True)  # always a fresh training run
 
+
+
+def corpus_target(model_type: str, demo_target: Path, out: Path, embedded, steps: int, **sizes) -> Path:
+    """A tiny `model_type` target with the demo's tokenizer, trained `steps` on the demo's corpus the way the embedded
+    target is (so its text is code, not noise), saved with the tokenizer at `out`."""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from draftsmith.targets.embedded import train_on_corpus
+    tokenizer = AutoTokenizer.from_pretrained(demo_target)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), max_position_embeddings=4096,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, **sizes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    train_on_corpus(model, tokenizer, dataclasses.replace(embedded, max_steps=steps), desc=f"{model_type} target")
+    model.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -39,6 +39,53 @@ DRAFTER_RUNS = {  # issue #31: block drafting and EAGLE 3.1 / LK next to EAGLE-3
 }
 
 
+SECOND_TARGET = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # Qwen3 layers (q/k norms), the demo's sizes
+
+
+def bench_drafters_qwen3(recipe_path: str, overrides: list[str], seconds: float, target_steps: int = 600) -> dict:
+    """The drafters of `DRAFTER_RUNS` on a second target: a tiny Qwen3 trained on the demo's corpus, its own
+    regenerated answers as data, the same training wall-clock each."""
+    from pathlib import Path
+    from draftsmith.bench.common import corpus_target
+    from draftsmith.stages import stage_data
+    demo = recipe_mod.load(recipe_path, overrides)
+    scratch = Path(demo.out_dir) / "bench-qwen3"
+    target = scratch / "target"
+    if not (target / "config.json").exists():
+        corpus_target("qwen3", Path(demo.target.model), target, demo.target.embedded, target_steps, **SECOND_TARGET)
+    common = [f"out_dir={scratch}", f"target.model={target}", "target.embedded=null", "economics.draft_model_embedded=null",
+              "data.max_conversations=800", "data.regen.max_new_tokens=160"]
+    data_recipe = recipe_mod.load(recipe_path, overrides + common + ["name=bench-qwen3-data"])
+    stage_data(data_recipe)
+    out = bench_heads(data_recipe, overrides + common, seconds, DRAFTER_RUNS)
+    return {name: {**row, "target": f"qwen3 (hidden 128, 8 layers) trained {target_steps} steps"} for name, row in out.items()}
+
+
+ECONOMICS = ["economics.batch_sizes=[1,4,16,64]", "economics.num_speculative_tokens=[3,7]", "economics.baselines=[]",
+             "economics.max_new_tokens=48", "economics.draft_model_embedded=null"]
+
+
+def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
+    """The batched sweep (`draftsmith economics`: B 1-64, K 3 and 7, greedy) for each head the `drafters` section
+    trained: the best speedup over plain batched decoding per batch size, the crossover, c at B = 1."""
+    from draftsmith.runtime.sweep import run_economics
+    out = {}
+    for name, (path, extra) in DRAFTER_RUNS.items():
+        recipe = recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}", "train.save_every=100000",
+                                 "train.eval_every=100000", f"train.max_steps={drafters[name]['train_steps']}", *ECONOMICS])
+        report = recipe.run_dir / "economics-bench"
+        run_economics(recipe, out=str(report))
+        e = json.loads((report / "economics.json").read_text())
+        head = e["drafters"][e["kind"]]
+        best = {str(b): max(cell["tokens_per_s"] for cell in head["cells"][str(b)].values()) / e["plain"][str(b)]["tokens_per_s"]
+                for b in e["batch_sizes"]}
+        out[name] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
+                     "best_k": head["best_k"]}
+        print(f"[bench] {name} economics: {out[name]}", flush=True)
+    return out
+
+
 MTP_RUNS = {  # MTP post hoc: DeepSeek's one-step objective and the recursive default, same budget as `heads`
     "mtp-k1": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=1"]),
     "mtp-k3": ("recipes/demo/stdlib-code-mtp.yaml", ["head.ttt_steps=3"]),
@@ -202,6 +249,28 @@ def render_drafters(r: dict) -> list[str]:
     rows = r.get("drafters")
     if not rows:
         return []
+    return _render_drafters(r, rows) + _render_second_target(r)
+
+
+def _render_second_target(r: dict) -> list[str]:
+    rows = r.get("drafters_qwen3")
+    if not rows:
+        return []
+    base = rows["eagle3-k7"]
+    lines = ["### The same drafters on a second target", "",
+             f"A tiny Qwen3 (q/k norms, the demo's sizes; {base.get('target', '')}) on the demo's corpus, its own regenerated "
+             f"answers as data, each drafter trained {base['budget_seconds']:.0f} s and validated as above "
+             f"({r.get('measured', {}).get('drafters_qwen3', r['date'])}).", "",
+             "| drafter | train steps (s) | tau | draft cost c | speedup vs plain | vs EAGLE-3 | greedy exact |",
+             "|---|---|---|---|---|---|---|"]
+    for name, h in rows.items():
+        lines.append(f"| {name} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['tau']:.2f} | "
+                     f"{h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | "
+                     f"{h['speedup_vs_plain'] / base['speedup_vs_plain']:.2f}x | {h['exact']} |")
+    return lines + [""]
+
+
+def _render_drafters(r: dict, rows: dict) -> list[str]:
     lines = ["## Parallel drafting (DFlash, P-EAGLE) and EAGLE 3.1 + LK against EAGLE-3 (issue #31)", "",
              f"Each trained for the same wall-clock ({rows['eagle3-k7']['budget_seconds']:.0f} s) on the demo's data "
              f"({r.get('measured', {}).get('drafters', r['date'])}), then validated on the demo's 16 held-out prompts at "
@@ -215,6 +284,17 @@ def render_drafters(r: dict) -> list[str]:
         lines.append(f"| {name} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['trainable_parameters'] / 1e6:.2f}M | "
                      f"{h['tau']:.2f} | {h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | {h['exact']} |")
     base = rows["eagle3-k7"]
+    econ = r.get("drafters_economics")
+    if econ:
+        sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
+        lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, greedy, 16 prompts repeated to fill B rows, 48 "
+                  "new tokens, K 3 or 7, the better one per B; speedup over plain batched decoding at the same B; "
+                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}):", "",
+                  "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
+                  "|---|" + "---|" * len(sizes) + "---|"]
+        for name, h in econ.items():
+            lines.append(f"| {name} | " + " | ".join(f"{h['speedup_by_batch_size'][b]:.2f}x" for b in sizes) +
+                         f" | {h['crossover_batch_size'] or 'none up to ' + sizes[-1]} |")
     goals = []
     if "dflash-b8" in rows:
         ratio = rows["dflash-b8"]["speedup_vs_plain"] / base["speedup_vs_plain"]
@@ -226,6 +306,14 @@ def render_drafters(r: dict) -> list[str]:
                      "block is predicted from the context alone, which takes more training than EAGLE-3's step-by-step "
                      "drafts (the published drafts train for 6 epochs on ~800K samples); on a 2-core CPU the verify "
                      "forward, not drafting, dominates a round, which caps what a cheaper draft can gain")
+    if econ and "dflash-b8" in econ:
+        d, e3 = econ["dflash-b8"], econ["eagle3-k7"]
+        first, cross = next(iter(d["speedup_by_batch_size"])), d["crossover_batch_size"]
+        goals.append(f"In the batched sweep DFlash is {d['speedup_by_batch_size'][first] / e3['speedup_by_batch_size'][first]:.2f}x "
+                     f"EAGLE-3's speedup at B = {first}; its crossover is {cross or 'beyond the sweep'} against EAGLE-3's "
+                     f"{e3['crossover_batch_size'] or 'beyond the sweep'} (goal: a higher crossover: "
+                     f"{'met' if (cross or 10**9) > (e3['crossover_batch_size'] or 10**9) else 'not met'}): its block forward "
+                     "runs the full-vocabulary lm_head on every slot of every row, which grows with the batch")
     if "peagle" in rows:
         ratio = rows["peagle"]["speedup_vs_plain"] / base["speedup_vs_plain"]
         goals.append(f"P-EAGLE's speedup is {ratio:.2f}x EAGLE-3's at tau {rows['peagle']['tau']:.2f} against "
@@ -234,4 +322,12 @@ def render_drafters(r: dict) -> list[str]:
         gain = rows["eagle3.1+lk"]["tau"] - base["tau"]
         goals.append(f"EAGLE 3.1 + LK tau {rows['eagle3.1+lk']['tau']:.2f} against {base['tau']:.2f} "
                      f"(goal: at least EAGLE-3's: {'met' if gain >= 0 else 'not met'})")
+    second = r.get("drafters_qwen3") or {}
+    if "eagle3.1+lk" in second:
+        a, b = second["eagle3.1+lk"]["tau"], second["eagle3-k7"]["tau"]
+        goals.append(f"on the second target EAGLE 3.1 + LK tau {a:.2f} against {b:.2f} ({'met' if a >= b else 'not met'} there), "
+                     f"DFlash {second['dflash-b8']['speedup_vs_plain'] / second['eagle3-k7']['speedup_vs_plain']:.2f}x and "
+                     f"P-EAGLE {second['peagle']['speedup_vs_plain'] / second['eagle3-k7']['speedup_vs_plain']:.2f}x EAGLE-3's "
+                     "speedup: with 120 s of training the parallel drafters' later slots stay weak (their tau trails "
+                     "EAGLE-3's on both targets)")
     return lines + [""] + [f"- {g}." for g in goals] + [""]

@@ -15,6 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
+from draftsmith.bench.common import corpus_target
+
 WINDOW = 32
 COMMON = ["data.max_conversations=400", "data.regen.max_new_tokens=96", "validate.num_prompts=8",
           "validate.max_new_tokens=96", "validate.min_tau=null", "train.epochs=1", "train.eval_every=100000"]
@@ -35,24 +37,9 @@ def _windowed(demo_target: Path, out: Path) -> Path:
 
 
 def _hybrid(demo_target: Path, out: Path, embedded=None, steps: int = 200) -> Path:
-    import dataclasses
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from draftsmith.targets.embedded import train_on_corpus
-    tokenizer = AutoTokenizer.from_pretrained(demo_target)
-    config = AutoConfig.for_model("qwen3_next", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                                  moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                                  linear_num_value_heads=4, linear_num_key_heads=2, max_position_embeddings=4096,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                  bos_token_id=tokenizer.bos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    train_on_corpus(model, tokenizer, dataclasses.replace(embedded, max_steps=steps), desc="hybrid target")
-    model.eval().save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return corpus_target("qwen3_next", demo_target, out, embedded, steps, hidden_size=128, intermediate_size=256,
+                         moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, num_experts=4, num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2)
 
 
 def bench_layer_types(recipe_path: str, overrides: list[str], train_steps: int = 300) -> dict:

@@ -169,6 +169,9 @@ class HeadConfig:
     loss_gamma: float | None = None     # dflash: slot weights exp(-(k-1)/gamma); None: 7 for B >= 16, else 4
     mask_token_id: int | None = None    # dflash, peagle: the mask token (None: the target's pad, else eos token; recorded)
     dpace_alpha: float | None = None    # dflash: D-PACE slot weights with this floor a instead of the decay (None: decay)
+    sliding_window: int | None = None   # dflash: the context window of the draft's sliding_attention layers (their block
+                                        # attention causal); set alone: every layer but the last slides (z-lab Qwen3.6)
+    layer_types: list[str] | None = None  # dflash: per draft layer, full_attention | sliding_attention
     cod_ratio: float = 0.7              # peagle: COD sampling keeps int((n - d)·max(r^d, r_min)) chains at depth d
     cod_min_ratio: float = 0.2          #   (speculators r 0.7, r_min 0.2; SpecForge's Qwen3-8B recipe r 0.8)
 

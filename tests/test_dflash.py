@@ -243,3 +243,62 @@ def test_a_target_without_a_mask_candidate_is_refused_naming_the_key():
     head = DFlashHead.from_target(config, HeadConfig(kind="dflash", block_size=4, num_layers=1, mask_token_id=7), IDS)
     assert head.config["dflash_config"]["mask_token_id"] == 7
     assert head.config["draftsmith"]["mask_token_source"] == "head.mask_token_id"
+
+
+def _sliding_head(target, window=3):
+    torch.manual_seed(0)
+    head = DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=4, num_layers=2, num_anchors=6,
+                                                            sliding_window=window), IDS)
+    head.load_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return head
+
+
+def test_sliding_layers_mask_is_its_definition():
+    """Sliding layers (z-lab's Qwen3.6 draft): context within the window of the query's position, the block causal."""
+    anchors, ok = torch.tensor([[2, 7]]), torch.tensor([[True, True]])
+    T, Bs, W = 9, 3, 4
+    mask = dloss.sliding_block_mask(anchors, ok, T, Bs, W)
+    for q in range(2 * Bs):
+        a, slot = q // Bs, q % Bs
+        p = int(anchors[0, a])
+        for k in range(T + 2 * Bs):
+            if k < T:
+                expected = k < p and (p + slot) - k < W
+            else:
+                expected = (k - T) // Bs == a and (k - T) % Bs <= slot
+            assert bool(mask[0, q, k]) == expected, (q, k)
+
+
+def test_sliding_layers_train_as_they_draft_exactly_and_export(target, tmp_path):
+    head = _sliding_head(target).eval()
+    assert head.layer_types() == ["sliding_attention", "full_attention"]
+    batch = _batch(target, B=1)
+    p = 9
+    with torch.no_grad():
+        kv = head.context_kv(head.context(batch["aux"]), batch["position_ids"])
+        anchors, ok = torch.tensor([[p]]), torch.tensor([[True]])
+        tokens = torch.full((1, 4), head.mask_token_id)
+        tokens[0, 0] = batch["input_ids"][0, p]
+        h = head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.masks_for(head, anchors, ok, 14))
+        trained = head.logits(h[:, 1:]).float()
+        full = head.logits(head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.block_mask(anchors, ok, 14, 4))[:, 1:])
+    assert not torch.allclose(trained, full.float())  # the window changes what the sliding layer sees
+    drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4))
+    drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
+    torch.testing.assert_close(drafter.block_logits(batch["input_ids"][0, p:p + 1]), trained, rtol=1e-5, atol=1e-5)
+    runner = TargetRunner(target, 96, IDS)
+    prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3))
+    spec = speculative_generate(runner, DFlashDrafter(head, 96, TreeConfig(3, 1, 4)), prompt, 24, SamplingConfig(), set())
+    assert spec.tokens == generate_reference(target, prompt, 24, set())[0]
+    config, tensors = to_vllm(head.trainable_state(), head.config, "fp32")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 3
+    assert config["use_sliding_window"] is True and config["dflash_config"]["swa_window_size"] == 3
+    out = tmp_path / "swa"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    loaded, _ = load_head(out, target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    assert loaded.layer_types() == head.layer_types() and loaded.config["sliding_window"] == 3
+    with pytest.raises(ValueError, match="head.layer_types"):
+        DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=4, num_layers=2,
+                                                         layer_types=["sliding_attention"]), IDS)

@@ -55,6 +55,11 @@ class DFlashDrafter(BatchOfOne):
         positions = lengths[:, None] + torch.arange(Bs, device=self.device)
         allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, Bs, L),
                              torch.ones(B, Bs, Bs, dtype=torch.bool, device=self.device)], dim=-1)
+        if "sliding_attention" in self.head.layer_types():  # the context within the window, the block causal
+            near = positions[:, :, None] - torch.arange(L, device=self.device) < self.head.config["sliding_window"]
+            causal = torch.ones(Bs, Bs, dtype=torch.bool, device=self.device).tril()
+            sliding = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
+            allowed = {"full_attention": allowed, "sliding_attention": sliding}
         kv = [(self.k[i, :B, :, :L], self.v[i, :B, :, :L]) for i in range(len(self.head.layers))]
         h = self.head.block_hidden(tokens, positions, kv, allowed)
         return self.head.logits(h[:, 1:]).float()

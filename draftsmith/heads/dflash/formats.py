@@ -27,7 +27,8 @@ def _zlab_config(config: dict, dtype: str, engine: str) -> dict:
     out = {key: config[key] for key in HF_LAYER_KEYS if key in config}
     out.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config["block_size"],
                num_target_layers=config["num_target_layers"], target_hidden_size=config["target_hidden_size"],
-               layer_types=["full_attention"] * config["num_hidden_layers"], tie_word_embeddings=False,
+               layer_types=config["layer_types"], sliding_window=config.get("sliding_window"),
+               use_sliding_window=bool(config.get("sliding_window")), tie_word_embeddings=False,
                attention_bias=False, dflash_config=dict(config["dflash_config"]), **dtype_keys(dtype),
                **{EXPORT_MARK: {"engine": engine, "layer_convention": "z-lab (output-of-layer)",
                                 "draftsmith_layer_ids": config["draftsmith"]["layer_ids"],
@@ -45,7 +46,8 @@ def to_sglang(tensors: dict, config: dict, dtype: str, target: str = "") -> tupl
 
 def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
     layer = {key: config[key] for key in HF_LAYER_KEYS if key in config}
-    layer.update(model_type="qwen3", attention_bias=False, layer_types=["full_attention"] * config["num_hidden_layers"])
+    layer.update(model_type="qwen3", attention_bias=False, layer_types=config["layer_types"],
+                 sliding_window=config.get("sliding_window"), use_sliding_window=bool(config.get("sliding_window")))
     verifier = []
     out = dict(tensors)
     if target and (Path(target) / "config.json").exists():
@@ -104,8 +106,11 @@ def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dic
         layer, dflash = raw, raw.get("dflash_config") or {}
         ids = [k + 1 for k in dflash["target_layer_ids"]]
         block, mask = dflash.get("block_size", raw.get("block_size")), dflash["mask_token_id"]
+    window = layer.get("sliding_window") if layer.get("use_sliding_window", True) else None
+    types = layer.get("layer_types")
     config = draft_config_from_target(target_config, ids, layer["num_hidden_layers"], block, mask,
-                                      layer.get("intermediate_size"))
+                                      layer.get("intermediate_size"), window if types and "sliding_attention" in types else None,
+                                      types)
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"):
         if layer.get(key) is not None:
             config[key] = layer[key]

@@ -36,6 +36,30 @@ def block_mask(anchors_BA: torch.Tensor, anchor_ok_BA: torch.Tensor, context_len
     return allowed
 
 
+def sliding_block_mask(anchors_BA: torch.Tensor, anchor_ok_BA: torch.Tensor, context_len: int, block_size: int,
+                       window: int) -> torch.Tensor:
+    """The sliding layers' visibility: a query at p + k sees context c < p with (p + k) - c < window, and the slots
+    of its own block up to its own (causal)."""
+    allowed = block_mask(anchors_BA, anchor_ok_BA, context_len, block_size)
+    B, A = anchors_BA.shape
+    N = A * block_size
+    slot = torch.arange(N, device=anchors_BA.device) % block_size
+    query_pos = anchors_BA[:, torch.arange(N, device=anchors_BA.device) // block_size] + slot          # [B, N]
+    near = query_pos[:, :, None] - torch.arange(context_len, device=anchors_BA.device) < window
+    allowed[..., :context_len] &= near
+    allowed[..., context_len:] &= slot[None, :, None] >= slot[None, None, :]
+    return allowed
+
+
+def masks_for(head, anchors_BA, anchor_ok_BA, context_len: int):
+    """What `block_hidden` reads: one mask, or one per layer type when the head has sliding layers."""
+    full = block_mask(anchors_BA, anchor_ok_BA, context_len, head.block_size)
+    if "sliding_attention" not in head.layer_types():
+        return full
+    return {"full_attention": full, "sliding_attention": sliding_block_mask(anchors_BA, anchor_ok_BA, context_len,
+                                                                            head.block_size, head.config["sliding_window"])}
+
+
 def sample_anchors(valid_BT: torch.Tensor, num_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [B, A], anchor_ok [B, A]): random positions with a loss-carrying next token, A = the most any row has."""
     B, T = valid_BT.shape
@@ -67,7 +91,7 @@ def _group_sums(head, kv, ids, probs, valid, argmax, anchors, ok, T: int):
     tokens = torch.full((B, A, Bs), head.mask_token_id, dtype=torch.long, device=device)
     tokens[:, :, 0] = ids.gather(1, anchors)
     positions = anchors[:, :, None] + slots
-    h = head.block_hidden(tokens.view(B, -1), positions.view(B, -1), kv, block_mask(anchors, ok, T, Bs))
+    h = head.block_hidden(tokens.view(B, -1), positions.view(B, -1), kv, masks_for(head, anchors, ok, T))
     h = h.view(B, A, Bs, -1)[:, :, 1:]
     rows = (anchors[:, :, None] + slots[1:] - 1).clamp(max=T - 1)                        # teacher rows [B, A, Bs-1]
     inside = (anchors[:, :, None] + slots[1:] - 1) < T

@@ -42,14 +42,33 @@ def default_gamma(block_size: int) -> float:
     return 7.0 if block_size >= 16 else 4.0
 
 
+def draft_layer_types(num_layers: int, sliding_window: int | None, layer_types: list[str] | None) -> list[str]:
+    """Each draft layer's attention: `head.layer_types`, else with `head.sliding_window` every layer but the last
+    sliding (as z-lab's Qwen3.6-27B draft), else all full."""
+    if layer_types is None:
+        layer_types = ["full_attention"] * num_layers if not sliding_window else \
+            ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"head.layer_types={layer_types}: expected {num_layers} entries (head.num_layers), each "
+                         "full_attention or sliding_attention")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise ValueError("head.layer_types has sliding_attention layers: set head.sliding_window (their context window)")
+    return list(layer_types)
+
+
 def draft_config_from_target(target_config, layer_ids: list[int], num_layers: int, block_size: int,
-                             mask_token_id: int | None, intermediate_size: int | None = None) -> dict:
-    """The z-lab-style config: a Qwen3 stack at the target's hidden size, the block size, the mask token."""
+                             mask_token_id: int | None, intermediate_size: int | None = None,
+                             sliding_window: int | None = None, layer_types: list[str] | None = None) -> dict:
+    """The z-lab-style config: a Qwen3 stack at the target's hidden size, the block size, the mask token; with
+    sliding layers, `layer_types`, `sliding_window` and `use_sliding_window` as z-lab writes them."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     defaults: list[str] = []
     rope_theta = full_attention_rope(t).get("rope_theta") or _target_value(t, "rope_theta", defaults)
     heads = t.num_attention_heads
     mask_token_id, mask_source = mask_token(t, mask_token_id)
+    types = draft_layer_types(num_layers, sliding_window, layer_types)
+    window = sliding_window if "sliding_attention" in types else None
+    swa = {"use_swa": True, "swa_window_size": window} if window else {}
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": t.hidden_size, "target_hidden_size": t.hidden_size,
@@ -60,9 +79,9 @@ def draft_config_from_target(target_config, layer_ids: list[int], num_layers: in
         "rms_norm_eps": _target_value(t, "rms_norm_eps", defaults), "hidden_act": "silu",
         "max_position_embeddings": _target_value(t, "max_position_embeddings", defaults),
         "rope_theta": rope_theta, "vocab_size": t.vocab_size, "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * num_layers, "block_size": block_size,
+        "layer_types": types, "sliding_window": window, "use_sliding_window": bool(window), "block_size": block_size,
         "num_target_layers": t.num_hidden_layers,
-        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [k - 1 for k in layer_ids]},
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [k - 1 for k in layer_ids], **swa},
         "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer", "defaults": defaults,
                        "mask_token_source": mask_source, "target_model_type": getattr(t, "model_type", None)},
     }
@@ -146,7 +165,7 @@ class DFlashHead(DraftHead):
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "DFlashHead":
         block = head_cfg.block_size or DEFAULT_BLOCK_SIZE
         config = draft_config_from_target(target_config, layer_ids, head_cfg.num_layers, block, head_cfg.mask_token_id,
-                                          head_cfg.intermediate_size)
+                                          head_cfg.intermediate_size, head_cfg.sliding_window, head_cfg.layer_types)
         return cls(config, head_cfg.num_anchors, head_cfg.loss_gamma, head_cfg.dpace_alpha)
 
     @classmethod
@@ -162,12 +181,16 @@ class DFlashHead(DraftHead):
         cos, sin = self.rotary(ctx_BSH, positions_BS)
         return [layer.self_attn.keys_values(ctx_BSH, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed_BNL):
-        """The blocks' final hidden states (before norm) given every layer's context K/V."""
+    def layer_types(self) -> list[str]:
+        return self.config.get("layer_types") or ["full_attention"] * len(self.layers)
+
+    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed):
+        """The blocks' final hidden states (before norm) given every layer's context K/V; `allowed` [B, N, S + N],
+        or one such mask per layer type (sliding layers: the context within the window, the block causal)."""
         h = self.embed_tokens(tokens_BN).to(self.fc.weight.dtype)
         cos, sin = self.rotary(h, positions_BN)
-        for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
-            h = layer(h, cos, sin, ctx_k, ctx_v, allowed_BNL)
+        for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.layer_types(), kv):
+            h = layer(h, cos, sin, ctx_k, ctx_v, allowed[kind] if isinstance(allowed, dict) else allowed)
         return h
 
     def logits(self, h_BNH):

@@ -29,7 +29,7 @@ def build(dtype, device="cuda"):
     t2d = torch.zeros(32000, dtype=torch.bool, device=device)
     t2d[:8000] = True
     head.set_vocab(torch.zeros(8000, dtype=torch.long, device=device), t2d)
-    head.load_target_embedding(model.get_input_embeddings().weight)
+    head.load_target_weights(model.get_input_embeddings().weight)
     return model, head, ids
 
 

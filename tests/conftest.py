@@ -62,6 +62,27 @@ def tokenizer(micro_target):
     return AutoTokenizer.from_pretrained(micro_target)
 
 
+def tiny_llama(vocab_size: int = 64, hidden_size: int = 32):
+    """A random 6-layer Llama, pad id 0, no EOS (decodes the full length): the parallel drafters' unit tests' target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def feature_batch(target, layer_ids: list[int], B: int = 2, T: int = 14, seed: int = 0) -> dict:
+    """A training batch as the trainer hands it to a head: random ids, the target's features at `layer_ids` and its
+    full-vocabulary teacher, every position valid."""
+    ids = torch.randint(0, target.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    probs = torch.softmax(out.logits.float(), -1)
+    return {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T),
+            "aux": torch.cat([out.hidden_states[k] for k in layer_ids], -1), "target_probs": probs,
+            "target_valid": torch.ones(B, T, dtype=torch.bool), "target_argmax": probs.argmax(-1)}
+
+
 def target_config(name: str):
     """A real target's config (tests/fixtures/target_configs.json: facts, no weights)."""
     from transformers import AutoConfig

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-from conftest import micro_recipe, two_token_total_variation
+from conftest import feature_batch, micro_recipe, tiny_llama, two_token_total_variation
 from draftsmith.heads.dflash import loss as dloss
 from draftsmith.heads.dflash.draft import DFlashDrafter
 from draftsmith.heads.dflash.formats import import_layout, to_speculators, to_vllm
@@ -26,10 +26,7 @@ V, H, IDS = 64, 32, [1, 3, 5]
 
 @pytest.fixture(scope="module")
 def target():
-    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(V, H)
 
 
 def _head(target, block=4, layers=2, anchors=6, seed=0):
@@ -41,14 +38,7 @@ def _head(target, block=4, layers=2, anchors=6, seed=0):
 
 
 def _batch(target, B=2, T=14, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    probs = torch.softmax(out.logits.float(), -1)
-    return {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T),
-            "aux": torch.cat([out.hidden_states[k] for k in IDS], -1), "target_probs": probs,
-            "target_valid": torch.ones(B, T, dtype=torch.bool), "target_argmax": probs.argmax(-1)}
+    return feature_batch(target, IDS, B, T, seed)
 
 
 def test_default_layer_ids_follow_zlab():
@@ -86,20 +76,25 @@ def test_grouped_anchors_equal_one_group(target, monkeypatch):
     assert metrics["num_anchors"] == 12 and set(metrics) >= {"acc_0", "acc_2", "sim_accept_len", "loss"}
 
 
-def test_training_and_drafting_compute_the_same_block(target):
-    """The logits training gives anchor p's block equal the drafter's for the same root with p committed positions."""
-    head, batch = _head(target).eval(), _batch(target, B=1)
-    p = 9
+def _trained_block(head, batch, p: int, masks=None):
+    """The logits training gives the block anchored at p (slots 1..3 of a block of 4), under `masks` (default: the
+    head's own, `masks_for`), and the drafter's for the same root with p committed positions."""
     with torch.no_grad():
         kv = head.context_kv(head.context(batch["aux"]), batch["position_ids"])
         anchors, ok = torch.tensor([[p]]), torch.tensor([[True]])
         tokens = torch.full((1, 4), head.mask_token_id)
         tokens[0, 0] = batch["input_ids"][0, p]
-        h = head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.block_mask(anchors, ok, 14, 4))
-        trained = head.logits(h[:, 1:]).float()
+        masks = dloss.masks_for(head, anchors, ok, batch["input_ids"].shape[1]) if masks is None else masks(anchors, ok)
+        trained = head.logits(head.block_hidden(tokens, p + torch.arange(4)[None], kv, masks)[:, 1:]).float()
     drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4))
     drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
-    torch.testing.assert_close(drafter.block_logits(batch["input_ids"][0, p:p + 1]), trained, rtol=1e-5, atol=1e-5)
+    return trained, drafter.block_logits(batch["input_ids"][0, p:p + 1])
+
+
+def test_training_and_drafting_compute_the_same_block(target):
+    """The logits training gives anchor p's block equal the drafter's for the same root with p committed positions."""
+    trained, drafted = _trained_block(_head(target).eval(), _batch(target, B=1), 9)
+    torch.testing.assert_close(drafted, trained, rtol=1e-5, atol=1e-5)
 
 
 def test_head_overfits_a_batch(target):
@@ -273,19 +268,10 @@ def test_sliding_layers_train_as_they_draft_exactly_and_export(target, tmp_path)
     head = _sliding_head(target).eval()
     assert head.layer_types() == ["sliding_attention", "full_attention"]
     batch = _batch(target, B=1)
-    p = 9
-    with torch.no_grad():
-        kv = head.context_kv(head.context(batch["aux"]), batch["position_ids"])
-        anchors, ok = torch.tensor([[p]]), torch.tensor([[True]])
-        tokens = torch.full((1, 4), head.mask_token_id)
-        tokens[0, 0] = batch["input_ids"][0, p]
-        h = head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.masks_for(head, anchors, ok, 14))
-        trained = head.logits(h[:, 1:]).float()
-        full = head.logits(head.block_hidden(tokens, p + torch.arange(4)[None], kv, dloss.block_mask(anchors, ok, 14, 4))[:, 1:])
-    assert not torch.allclose(trained, full.float())  # the window changes what the sliding layer sees
-    drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4))
-    drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
-    torch.testing.assert_close(drafter.block_logits(batch["input_ids"][0, p:p + 1]), trained, rtol=1e-5, atol=1e-5)
+    trained, drafted = _trained_block(head, batch, 9)
+    full, _ = _trained_block(head, batch, 9, lambda anchors, ok: dloss.block_mask(anchors, ok, 14, 4))
+    assert not torch.allclose(trained, full)  # the window changes what the sliding layer sees
+    torch.testing.assert_close(drafted, trained, rtol=1e-5, atol=1e-5)
     runner = TargetRunner(target, 96, IDS)
     prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3))
     spec = speculative_generate(runner, DFlashDrafter(head, 96, TreeConfig(3, 1, 4)), prompt, 24, SamplingConfig(), set())

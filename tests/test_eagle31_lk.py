@@ -145,7 +145,7 @@ def test_eagle31_heads_decode_exactly_and_export_what_the_engines_read(tmp_path)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=7,
                                           num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)).eval()
     head = _head(fc_norm=True, norm_output=True).eval()
-    head.load_target_embedding(target.get_input_embeddings().weight)
+    head.load_target_weights(target.get_input_embeddings().weight)
     runner = TargetRunner(target, 128, [2, 3, 4])
     drafter = Eagle3Drafter(head, 128, TreeConfig(3, 2, 6))
     prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(2))

@@ -96,7 +96,7 @@ def _batched_kinds(target, small):
     torch.manual_seed(3)
     eagle3 = Eagle3Head(eagle3_config(target.config, 64, [1, 2, 3])).eval()
     eagle3.set_vocab(torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool))
-    eagle3.load_target_embedding(embed)
+    eagle3.load_target_weights(embed)
     heads = {"eagle2": Eagle2Head(eagle2_config(target.config)), "mtp": MTPHead(mtp_config(target.config)),
              "medusa": MedusaHead(medusa_config(target.config, HeadConfig(kind="medusa", num_heads=3)))}
     with torch.no_grad():

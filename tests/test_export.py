@@ -106,7 +106,7 @@ def test_round_trip_gives_identical_logits(validated, tmp_path, engine):
     target_config = AutoConfig.from_pretrained(validated.target.model)
     ours, _ = load_head(head_dir(validated), target_config)
     back, meta = load_head(tmp_path / engine, target_config)
-    back.load_target_embedding(ours.embed_tokens.weight)
+    back.load_target_weights(ours.embed_tokens.weight)
     assert back.config["draftsmith"]["layer_ids"] == ours.config["draftsmith"]["layer_ids"]
     torch.manual_seed(0)
     ids, aux = torch.randint(0, 500, (1, 12)), torch.randn(1, 12, ours.fc.in_features)

@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import micro_recipe, two_token_total_variation
+from conftest import feature_batch, micro_recipe, tiny_llama, two_token_total_variation
 from draftsmith.heads.drafting import TreeConfig, attend_with_mask
 from draftsmith.heads.eagle3 import formats as eagle3_formats
 from draftsmith.heads.loading import load_head
@@ -28,10 +27,7 @@ V, H, IDS = 64, 32, [1, 3, 5]
 
 @pytest.fixture(scope="module")
 def target():
-    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(V, H)
 
 
 def _head(target, layers=2, depths=4, ratio=0.7, seed=0, draft_vocab=V):
@@ -44,17 +40,10 @@ def _head(target, layers=2, depths=4, ratio=0.7, seed=0, draft_vocab=V):
 
 
 def _batch(target, B=2, T=14, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    probs = torch.softmax(out.logits.float(), -1)
-    valid = torch.ones(B, T, dtype=torch.bool)
+    batch = feature_batch(target, IDS, B, T, seed)
     if B > 1:
-        valid[-1, T - 3:] = False  # the last row padded
-    return {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T),
-            "aux": torch.cat([out.hidden_states[k] for k in IDS], -1), "target_probs": probs,
-            "target_valid": valid, "target_argmax": probs.argmax(-1)}
+        batch["target_valid"][-1, T - 3:] = False  # the last row padded
+    return batch
 
 
 def test_cod_sampling_keeps_the_published_counts_of_nested_chains():

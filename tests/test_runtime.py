@@ -34,7 +34,7 @@ def random_head(model, draft_vocab=48, seed=0):
     t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     t2d[torch.randperm(model.config.vocab_size)[:draft_vocab]] = True
     head.set_vocab(t2d.nonzero().flatten() - torch.arange(draft_vocab), t2d)
-    head.load_target_embedding(model.get_input_embeddings().weight)
+    head.load_target_weights(model.get_input_embeddings().weight)
     return head
 
 

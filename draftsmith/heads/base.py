@@ -40,6 +40,27 @@ class DraftHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN)}
 
 
+class DraftVocabHead(DraftHead):
+    """Heads whose lm_head covers a draft vocabulary (EAGLE-3, P-EAGLE): `d2t` maps a draft id to its target id
+    (target = draft + d2t[draft]), `t2d` marks the target ids it holds; of the target they read only the embedding."""
+
+    def add_vocab_maps(self, vocab_size: int, draft_vocab_size: int) -> None:
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+        """The target's embedding (frozen in EAGLE-3, the starting point of P-EAGLE's own); the lm_head is the head's."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
 # what a head built as a Llama layer reads from any target, under the names targets give it
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 10000.0}
 ALIASES = {"rms_norm_eps": ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")}

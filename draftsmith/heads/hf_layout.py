@@ -63,6 +63,15 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def complete_vocab_maps(tensors: dict, vocab_size: int) -> dict:
+    """`t2d` rebuilt from `d2t` where a layout ships d2t only (vLLM and ModelOpt heads): target id = draft + d2t[draft]."""
+    if "t2d" not in tensors and "d2t" in tensors:
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[tensors["d2t"] + torch.arange(len(tensors["d2t"]))] = True
+        tensors["t2d"] = t2d
+    return tensors
+
+
 def measured_k(meta: dict, default: int) -> int:
     """The K serve commands use: the best measured at batch size 1 by `draftsmith economics`, else the
     validated depth, else `default`."""

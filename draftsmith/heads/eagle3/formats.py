@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.heads.eagle3.model import draft_config_from_target
-from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, dtype_keys, card, cast, measured_k, read_weights
+from draftsmith.heads.hf_layout import (EXPORT_MARK, HF_LAYER_KEYS, card, cast, complete_vocab_maps, dtype_keys,
+                                        measured_k, read_weights)
 
 TITLE = "EAGLE-3 draft head"
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -159,10 +160,7 @@ def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dic
     """(our draft config, our tensor names, metadata) from an exported/published directory."""
     config, ids = imported_config(raw, target_config)
     tensors = _normalize_names(read_weights(path))
-    if "t2d" not in tensors and "d2t" in tensors:  # vLLM/ModelOpt heads may ship d2t only
-        t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
-        t2d[tensors["d2t"] + torch.arange(len(tensors["d2t"]))] = True
-        tensors["t2d"] = t2d
+    complete_vocab_maps(tensors, config["vocab_size"])
     meta = {"kind": "eagle3", "layer_ids": ids, "draft_config": config, "target_id": None,
             "source_format": "speculators" if "speculators_model_type" in raw else "sglang/vllm"}
     return config, tensors, meta

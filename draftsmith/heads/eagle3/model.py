@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.heads.base import DraftHead
+from draftsmith.heads.base import DraftVocabHead
 from draftsmith.heads.eagle_layer import EagleLayer, eagle_config_from_target, llama_config
 from draftsmith.heads.eagle3.loss import ttt_loss
 
@@ -43,7 +43,7 @@ def default_layer_ids(num_target_layers: int) -> list[int]:
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(DraftVocabHead):
     """The EAGLE-3 head. `config` is the HF-style dict from `draft_config_from_target`."""
     kind = "eagle3"
     sequence_parallel = True
@@ -63,8 +63,7 @@ class Eagle3Head(DraftHead):
         self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.rotary = LlamaRotaryEmbedding(llama_config(config))
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.add_vocab_maps(V, Vd)
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "Eagle3Head":
@@ -76,18 +75,6 @@ class Eagle3Head(DraftHead):
     def from_config(cls, config: dict) -> "Eagle3Head":
         """From a checkpoint's or an imported layout's draft config (inference defaults)."""
         return cls(config)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def load_target_embedding(self, weight: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
-
-    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
-        """The frozen target weights this head reads: the embedding (its lm_head is its own)."""
-        self.load_target_embedding(embed)
 
     def rope(self, x, position_ids_BT):
         return self.rotary(x, position_ids_BT)
@@ -109,9 +96,6 @@ class Eagle3Head(DraftHead):
 
     def logits(self, h_BTH):
         return self.lm_head(h_BTH if self.norm_output else self.norm(h_BTH))
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
 
     def loss(self, batch: dict):
         """Training-time test over `ttt_steps` unrolled steps; see loss.py."""

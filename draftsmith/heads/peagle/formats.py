@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, card, cast, dtype_keys, measured_k, read_weights
+from draftsmith.heads.hf_layout import (EXPORT_MARK, HF_LAYER_KEYS, card, cast, complete_vocab_maps, dtype_keys,
+                                        measured_k, read_weights)
 from draftsmith.heads.peagle.model import draft_config_from_target
 
 TITLE = "P-EAGLE parallel draft head"
@@ -96,10 +95,7 @@ def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dic
     for name, tensor in read_weights(path).items():
         name = name.removeprefix("model.").replace("midlayer.", "layers.0.", 1)
         tensors["d2t" if name == "draft_id_to_target_id" else name] = tensor
-    if "t2d" not in tensors and "d2t" in tensors:
-        t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
-        t2d[tensors["d2t"] + torch.arange(len(tensors["d2t"]))] = True
-        tensors["t2d"] = t2d
+    complete_vocab_maps(tensors, config["vocab_size"])
     meta = {"kind": "peagle", "layer_ids": ids, "draft_config": config, "target_id": None,
             "source_format": "speculators" if "speculators_model_type" in raw else "vllm/specforge"}
     return config, tensors, meta

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.heads.base import DraftHead, mask_token
+from draftsmith.heads.base import DraftVocabHead, mask_token
 from draftsmith.heads.eagle_layer import EagleLayer, eagle_config_from_target, llama_config
 from draftsmith.heads.peagle.loss import cod_loss
 
@@ -42,7 +42,7 @@ def draft_config_from_target(target_config, draft_vocab_size: int, layer_ids: li
     return config
 
 
-class PEagleHead(DraftHead):
+class PEagleHead(DraftVocabHead):
     kind = "peagle"
     FROZEN = ("rotary",)  # the embedding is trained with the head
 
@@ -61,8 +61,7 @@ class PEagleHead(DraftHead):
         self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.rotary = LlamaRotaryEmbedding(llama_config(config))
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.add_vocab_maps(V, Vd)
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "PEagleHead":
@@ -74,15 +73,6 @@ class PEagleHead(DraftHead):
     @classmethod
     def from_config(cls, config: dict) -> "PEagleHead":
         return cls(config)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
-        """The target's embedding as the starting point of the head's own (its lm_head is its own)."""
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
 
     def project(self, features_BTK):
         return self.fc(features_BTK.to(self.fc.weight.dtype))
@@ -101,9 +91,6 @@ class PEagleHead(DraftHead):
 
     def logits(self, h_BTH):
         return self.lm_head(self.norm(h_BTH))
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
 
     def loss(self, batch: dict):
         return cod_loss(self, batch)

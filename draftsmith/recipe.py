@@ -434,6 +434,9 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
     if min(par.tp, par.pp, par.ep) < 1 or par.ep not in (1, par.tp):
         raise RecipeError(f"{source}: target.parallel tp={par.tp} pp={par.pp} ep={par.ep}: expected sizes >= 1 and "
                           "ep either 1 or equal to tp (experts are split over the ranks of one tensor-parallel group)")
+    if recipe.capture.chunk_tokens is not None and recipe.capture.chunk_tokens < 1:
+        raise RecipeError(f"{source}: capture.chunk_tokens={recipe.capture.chunk_tokens}: expected a positive number of "
+                          "positions per chunk, or null to run each sample whole")
     head = recipe.head
     if not (0 < head.cod_min_ratio <= head.cod_ratio <= 1):
         raise RecipeError(f"{source}: head.cod_ratio={head.cod_ratio}, head.cod_min_ratio={head.cod_min_ratio}: expected "

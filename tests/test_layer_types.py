@@ -146,3 +146,9 @@ def test_capture_in_chunks_equals_one_forward(model_type, stop_after_features):
     torch.testing.assert_close(chunked[0][real], whole[0][real], rtol=1e-4, atol=1e-4)
     if not stop_after_features:
         torch.testing.assert_close(chunked[1][real], whole[1][real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_size_below_one_is_refused_naming_the_key():
+    from draftsmith import recipe as recipe_mod
+    with pytest.raises(recipe_mod.RecipeError, match="capture.chunk_tokens=0"):
+        recipe_mod.loads("name: x\ntarget: {model: m}\ncapture: {chunk_tokens: 0}\n")

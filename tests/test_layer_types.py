@@ -96,37 +96,54 @@ def test_a_window_changes_the_output():
     assert plain_generate(runner, prompt, NEW, GREEDY, set()).tokens != generate_reference(windowed, prompt, NEW, set())[0]
 
 
-def test_recurrent_targets_refuse_trees_and_batches():
+def test_recurrent_targets_refuse_trees():
     model = tiny_target("qwen3_next")
     runner = TargetRunner(model, 64, [1, 3])
     prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(1))
     tree = CyclingDrafter(list(range(40)), PROMPT, 3, 128, width=2)
     with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*validate.top_k: 1"):
         speculative_generate(runner, tree, prompt, 8, GREEDY, set())
-    with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*batch size 1.*economics.batch_sizes"):
-        BatchRunner(model, 2, 64, [1, 3])
+    batched = Rows([CyclingDrafter(list(range(40)), PROMPT, 3, 128, width=2)] * 2, num_nodes=7)
+    with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*validate.top_k: 1"):
+        batched_generate(BatchRunner(model, 2, 64, [1, 3]), [prompt, prompt], 8, GREEDY, set(), drafter=batched)
 
 
-def test_a_recurrent_target_decodes_batched_at_batch_size_one():
-    model = tiny_target("qwen3_next")
-    prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(2))
-    reference = generate_reference(model, prompt, NEW, set())[0]
-    runner = BatchRunner(model, 1, PROMPT + NEW + 32, [1, 3])
+class Rows:
+    """The batched drafter protocol over one CyclingDrafter per row."""
 
-    class Rows(CyclingDrafter):  # the batched drafter protocol, one row
-        batch_size = 1
+    def __init__(self, drafters: list[CyclingDrafter], num_nodes: int, phases: list[int] | None = None):
+        self.drafters, self.batch_size = drafters, len(drafters)
+        self.phases = phases or [0] * len(drafters)  # each row's first round
+        self.tree_cfg = type("TreeConfig", (), {"num_nodes": num_nodes})
 
-        class tree_cfg:
-            num_nodes = DEPTH + 3  # chains padded to more nodes than they have: padding rolls back too
+    def reset(self):
+        for d, phase in zip(self.drafters, self.phases):
+            d.reset()
+            d.round = phase
 
-        def extend_rows(self, rows, tokens, features):
-            self.extend(tokens[0], features[0])
+    def extend_rows(self, rows, tokens, features):
+        for b, t, f in zip(rows, tokens, features):
+            self.drafters[b].extend(t, f)
 
-        def draft_trees(self, roots):
-            return [self.draft_tree(roots[0])]
+    def draft_trees(self, roots):
+        return [d.draft_tree(r) for d, r in zip(self.drafters, roots)]
 
-    out = batched_generate(runner, [prompt], NEW, GREEDY, set(), drafter=Rows(reference, PROMPT, DEPTH, 128, width=1))
-    assert out.tokens[0] == reference
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "lfm2"])
+def test_a_recurrent_target_decodes_batched_each_row_rolled_back_on_its_own(model_type):
+    """Rows of different prompt lengths, each drafter wrong at its own depths, so one round keeps whole,
+    partial and empty chains side by side (chains padded to more nodes than they have: padding rolls
+    back too); every row equals `generate` on its prompt alone."""
+    model = tiny_target(model_type)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (PROMPT + extra,), generator=gen) for extra in (0, 5, 2)]
+    references = [generate_reference(model, p, NEW, set())[0] for p in prompts]
+    drafters = [CyclingDrafter(ref, len(p), DEPTH, 128, width=1) for ref, p in zip(references, prompts)]
+    runner = BatchRunner(model, len(prompts), PROMPT + 5 + NEW + 32, [1, 3])
+    out = batched_generate(runner, prompts, NEW, GREEDY, set(), drafter=Rows(drafters, DEPTH + 3, phases=[0, 2, 4]))
+    assert out.tokens == references
+    mixed = [sorted({row[r] for row in out.accept_lengths}) for r in range(min(map(len, out.accept_lengths)) - 1)]
+    assert any(len(m) == 3 for m in mixed)  # a round where the rows kept different lengths
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "lfm2"])

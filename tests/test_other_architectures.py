@@ -105,3 +105,33 @@ def test_other_head_kinds_on_modern_architectures(tmp_path, micro_target, kind, 
     validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
     assert validation["exact_match"] and validation["exact_vs_generate"], summary
     assert any((recipe.run_dir / "export").iterdir())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "nemotron_h", "glm4_moe"])
+def test_partial_loading_converts_the_kept_layers_only(tmp_path, micro_target, arch, monkeypatch):
+    """Checkpoints whose tensors transformers converts while loading (per-expert tensors fused, Nemotron-H's
+    `backbone.` names): the trainer's partial load materializes exactly the kept layers' tensors on disk
+    (counted where transformers copies each one out of the file), and every tensor it keeps equals the
+    whole model's."""
+    from types import SimpleNamespace
+    from safetensors.torch import load_file
+    from transformers import core_model_loading
+    from draftsmith.targets.loading import load_target_layers
+    target = _save_target(tmp_path / arch, arch, micro_target, **MODERN[arch][0])
+    whole = AutoModelForCausalLM.from_pretrained(target).state_dict()
+    on_disk = load_file(target / "model.safetensors")
+    skipped = {k for k in on_disk if any(f"layers.{i}." in k for i in range(2, 5))}
+    assert any("experts." in k for k in skipped) or arch == "nemotron_h"
+    read, copy = [], core_model_loading._materialize_copy
+
+    def counted(*args, **kwargs):
+        tensor = copy(*args, **kwargs)
+        read.append(tensor.numel())
+        return tensor
+    monkeypatch.setattr(core_model_loading, "_materialize_copy", counted)
+    recipe = SimpleNamespace(target=SimpleNamespace(model=str(target), dtype="fp32"))
+    partial = load_target_layers(recipe, torch.device("cpu"), skip=range(2, 5)).state_dict()
+    assert sum(read) == sum(v.numel() for k, v in on_disk.items() if k not in skipped)
+    assert set(partial) == {k for k in whole if not any(f"layers.{i}." in k for i in range(2, 5))}
+    for name, tensor in partial.items():
+        assert torch.equal(tensor, whole[name]), name

@@ -42,6 +42,8 @@ def one_step(num_tokens: int, setting: str) -> dict:
     from draftsmith.heads.eagle3.model import Eagle3Head
     from draftsmith.recipe import HeadConfig
     from draftsmith.train.batches import teacher_targets
+    from draftsmith.train.trainer import return_freed_memory_on_cpu
+    return_freed_memory_on_cpu()  # as the trainer does on CPU
     torch.manual_seed(0)
     if setting == "whole":
         ttt.SCORE_BUDGET = objective.LOSS_BUDGET = 2 ** 62

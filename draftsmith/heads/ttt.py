@@ -28,19 +28,21 @@ def _repeat_kv(x, num_heads: int):
 
 def _block_attention(q_BhCd, k0, v0, diag_keys, diag_values, start: int, local: int):
     """Queries at global positions [start, start + C) over step-0 keys [0, start + C) (causal) and their
-    own diagonal keys of steps 1..i (held locally from `local`), one softmax in fp32."""
-    heads, C = q_BhCd.shape[1], q_BhCd.shape[2]
-    end = start + C
-    scale = 1.0 / math.sqrt(q_BhCd.shape[-1])
-    k0, v0 = _repeat_kv(k0[:, :, :end], heads), _repeat_kv(v0[:, :, :end], heads)
-    scores = (q_BhCd @ k0.transpose(-1, -2)).float() * scale
+    own diagonal keys of steps 1..i (held locally from `local`), one softmax in fp32. Grouped-query heads
+    score their shared KV head as one [group x C] query matrix, so no block copies the keys per head."""
+    B, heads, C, d = q_BhCd.shape
+    kv_heads, end = k0.shape[1], start + C
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(d)
+    q_grouped = q_BhCd.reshape(B, kv_heads, group * C, d)
+    scores = (q_grouped @ k0[:, :, :end].transpose(-1, -2)).float().view(B, heads, C, end) * scale
     causal = torch.arange(end, device=q_BhCd.device)[None, :] <= torch.arange(start, end, device=q_BhCd.device)[:, None]
     scores = scores.masked_fill(~causal, float("-inf"))
     if diag_keys:
         diag = [(q_BhCd * _repeat_kv(kj[:, :, local:local + C], heads)).sum(-1).float() * scale for kj in diag_keys]
         scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)
     weights = torch.softmax(scores, dim=-1).to(q_BhCd.dtype)
-    out = weights[..., :end] @ v0
+    out = (weights[..., :end].reshape(B, kv_heads, group * C, end) @ v0[:, :, :end]).view(B, heads, C, d)
     for j, vj in enumerate(diag_values):
         out = out + weights[..., end + j, None] * _repeat_kv(vj[:, :, local:local + C], heads)
     return out

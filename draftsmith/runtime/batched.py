@@ -27,9 +27,6 @@ class BatchRunner(TargetRunner):
 
     def __init__(self, model, batch_size: int, max_len: int, layer_ids: list[int], compile_mode: str | None = "auto"):
         super().__init__(model, max_len, layer_ids, compile_mode)
-        if self.recurrent and batch_size > 1:  # one state per row, each rolled back on its own: not done yet
-            raise ValueError(f"{model.config.model_type} has recurrent layers: draftsmith's batched runtime runs them at "
-                             "batch size 1 only (economics.batch_sizes: [1])")
         self.batch_size = batch_size
         self.lengths = [0] * batch_size
         self.scratch = 0
@@ -54,39 +51,52 @@ class BatchRunner(TargetRunner):
         if self.scratch + N > self.max_len:
             raise ValueError(f"sequence of {self.scratch + N} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.scratch)
-        if self.recurrent:  # batch size 1: the chain (and its padding nodes) rolls back in `commit_rows`
-            self._take_snapshot(tokens_BN[0])
+        if self.recurrent:  # every row's chain (and its padding nodes) rolls back in `commit_rows`
+            self._refuse_trees(tree_mask_BNN)
+            self._take_snapshot(tokens_BN)
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + depth_BN
         decode = self.decode_fixed if fixed else self._decode
         lengths = torch.tensor(self.lengths, device=self.device)
         return decode(tokens_BN, positions, self._masks(tree_mask_BNN, lengths, self.scratch, depth_BN))
 
     def prefill_rows(self, prompts: list[torch.Tensor]):
-        """Right-padded prompts in one forward: per row (last logits_V, features_TK)."""
-        T = max(len(p) for p in prompts)
-        tokens = torch.zeros(self.batch_size, T, dtype=torch.long, device=self.device)
-        for b, prompt in enumerate(prompts):
-            tokens[b, :len(prompt)] = prompt
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(self.batch_size, T, T)
-        depth = torch.arange(T, device=self.device).expand(self.batch_size, T)
-        logits, features, _ = self.forward(tokens, depth, causal, fixed=False)
-        self.commit_rows([torch.arange(len(p), device=self.device) for p in prompts])
+        """Right-padded prompts in one forward (a recurrent target: `_run_rows`): per row (last logits_V, features_TK)."""
+        if self.recurrent:
+            logits, features = self._run_rows(prompts)
+        else:
+            T = max(len(p) for p in prompts)
+            tokens = torch.zeros(self.batch_size, T, dtype=torch.long, device=self.device)
+            for b, prompt in enumerate(prompts):
+                tokens[b, :len(prompt)] = prompt
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(self.batch_size, T, T)
+            depth = torch.arange(T, device=self.device).expand(self.batch_size, T)
+            logits, features, _ = self.forward(tokens, depth, causal, fixed=False)
+            self.commit_rows([torch.arange(len(p), device=self.device) for p in prompts])
         return [logits[b, len(p) - 1] for b, p in enumerate(prompts)], [features[b, :len(p)] for b, p in enumerate(prompts)]
 
     def commit_rows(self, paths: list[torch.Tensor]) -> None:
-        """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty)."""
+        """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty). On a
+        recurrent target, rows that kept their whole chain keep the states it left; the others go back to
+        the states before it and run their accepted tokens again (`_run_rows`)."""
+        snapshot, self._snapshot = self._snapshot, None
+        if self.recurrent and snapshot is not None:
+            whole = [len(p) == snapshot[0].shape[1] for p in paths]
+            if not all(whole):
+                rows = torch.tensor([b for b, w in enumerate(whole) if w], dtype=torch.long, device=self.device)
+                after = self._row_states(rows)
+                self._commit_kv([p if w else p[:0] for p, w in zip(paths, whole)])
+                self._snapshot = snapshot
+                tokens_BN = self._restore_snapshot()
+                self._run_rows([p[:0] if w else tokens_BN[b, p] for b, (p, w) in enumerate(zip(paths, whole))])
+                self._put_row_states(after, rows)
+                return
+        self._commit_kv(paths)
+
+    def _commit_kv(self, paths: list[torch.Tensor]) -> None:
+        """Copy each row's kept nodes from the scratch block down to its committed length."""
         A = max(len(p) for p in paths)
         if A == 0:
             return
-        if self.recurrent and self._snapshot is not None and A < len(self._snapshot[0]):
-            tokens = self._restore_snapshot()[paths[0]]
-            self._snapshot = None
-            self.forward(tokens[None], torch.arange(A, device=self.device)[None],
-                         torch.ones(1, A, A, dtype=torch.bool, device=self.device).tril(), fixed=False)
-            self._snapshot = None
-            self.lengths = [self.lengths[0] + A]
-            return
-        self._snapshot = None
         src = torch.zeros(self.batch_size, A, dtype=torch.long, device=self.device)
         for b, path in enumerate(paths):
             if len(path):
@@ -102,6 +112,45 @@ class BatchRunner(TargetRunner):
                 kept = cache.gather(2, src[:, None, :, None].expand(-1, H, -1, D))
                 cache.scatter_(2, dst[:, None, :, None].expand(-1, H, -1, D), kept)
         self.lengths = [n + len(p) for n, p in zip(self.lengths, paths)]
+
+    def _run_rows(self, chains: list[torch.Tensor]):
+        """Run row b over `chains[b]` from its current state and commit exactly those tokens: a recurrent
+        state cannot skip padding, so the rows go in segments that end at each distinct chain length, and a
+        row's states are kept as its chain ends (later segments run it on padding, then it gets them back).
+        Returns [B, longest] logits and features (row b's valid up to its length)."""
+        lengths = [len(c) for c in chains]
+        tokens = torch.zeros(self.batch_size, max(lengths), dtype=torch.long, device=self.device)
+        for b, chain in enumerate(chains):
+            tokens[b, :len(chain)] = chain
+        kept, outputs, start = {0: self._row_states(self._rows(lengths, 0))}, [], 0
+        for end in sorted(set(lengths) - {0}):
+            n = end - start
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().expand(self.batch_size, n, n)
+            depth = torch.arange(n, device=self.device).expand(self.batch_size, n)
+            logits, features, _ = self.forward(tokens[:, start:end], depth, causal, fixed=False)
+            self._snapshot = None
+            outputs.append((logits, features))
+            arange = torch.arange(n, device=self.device)
+            self._commit_kv([arange if length >= end else arange[:0] for length in lengths])
+            kept[end] = self._row_states(self._rows(lengths, end))
+            start = end
+        for length, states in kept.items():
+            self._put_row_states(states, self._rows(lengths, length))
+        return torch.cat([o[0] for o in outputs], 1), torch.cat([o[1] for o in outputs], 1)
+
+    def _rows(self, lengths: list[int], length: int) -> torch.Tensor:
+        return torch.tensor([b for b, n in enumerate(lengths) if n == length], dtype=torch.long, device=self.device)
+
+    def _row_states(self, rows: torch.Tensor) -> list:
+        """Copies of the conv and recurrent states of `rows` (batch dimension 0), per recurrent layer."""
+        return [[{i: s.index_select(0, rows) for i, s in store.items() if s is not None}
+                 for store in (layer.conv_states, layer.recurrent_states)] for layer in self.recurrent]
+
+    def _put_row_states(self, states: list, rows: torch.Tensor) -> None:
+        for layer, saved in zip(self.recurrent, states):
+            for store, part in zip((layer.conv_states, layer.recurrent_states), saved):
+                for i, s in part.items():
+                    store[i].index_copy_(0, rows, s)
 
 
 @dataclass

@@ -147,6 +147,19 @@ class TargetRunner:
         aux = self.extractor.aux()
         return self.lm_head(final).float(), final if aux is None else aux[0], final
 
+    def _refuse_trees(self, mask_BNN: torch.Tensor) -> None:
+        """Recurrent layers advance over one sequence: each row must be a chain (node j sees every node
+        before it), optionally followed by padding nodes that see only themselves."""
+        N = mask_BNN.shape[-1]
+        causal = torch.ones(N, N, dtype=torch.bool, device=mask_BNN.device).tril()
+        seen = (mask_BNN & causal).sum(-1) - 1  # earlier nodes each node sees
+        chain = seen == torch.arange(N, device=mask_BNN.device)
+        ok = (bool(mask_BNN.diagonal(dim1=-2, dim2=-1).all()) and not bool((mask_BNN & ~causal).any())
+              and bool((chain | (seen == 0)).all()) and bool((chain.int().diff(dim=-1) <= 0).all()))
+        if not ok:
+            raise ValueError(f"{self.model.config.model_type} has recurrent layers, which advance over one chain: "
+                             "draft chains (validate.top_k: 1), not trees")
+
     def _take_snapshot(self, tokens_N: torch.Tensor) -> None:
         """Every conv and recurrent state as it is before a chain runs, with the chain's tokens."""
         states = [({i: s.clone() if s is not None else None for i, s in layer.conv_states.items()},
@@ -171,9 +184,7 @@ class TargetRunner:
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
         if self.recurrent:
-            if not bool(tree_mask_NN.equal(torch.ones_like(tree_mask_NN).tril())):
-                raise ValueError(f"{self.model.config.model_type} has recurrent layers, which advance over one chain: "
-                                 "draft chains (validate.top_k: 1), not trees")
+            self._refuse_trees(tree_mask_NN[None])
             self._take_snapshot(tokens_N)
         self._set_length(self.length)
         decode = self.decode_fixed if fixed else self._decode

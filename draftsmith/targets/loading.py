@@ -184,6 +184,17 @@ def _names_on_disk(model_dir: str) -> set[str]:
     return names
 
 
+def _without_layers(model_class, skip: range):
+    """The model's own class, built with decoder layers `skip` replaced by pass-through stand-ins, so that
+    `from_pretrained` loads (and converts) the other layers only."""
+    def __init__(self, config, *args, **kwargs):
+        model_class.__init__(self, config, *args, **kwargs)
+        layers = decoder_of(self).layers
+        for i in skip:
+            layers[i] = Skip.for_decoder(decoder_of(self), layers[i])
+    return type(model_class.__name__, (model_class,), {"__init__": __init__, "__module__": model_class.__module__})
+
+
 def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     """The target with decoder layers `skip` never loaded (pass-through stand-ins), frozen: what the
     trainer needs to rebuild the features a compact capture store leaves out. Only the kept weights
@@ -191,9 +202,9 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
 
     Checkpoints whose tensors transformers renames or converts while loading (fused MoE experts: one
     `experts.gate_up_proj` in memory from per-expert tensors on disk, in glm4_moe, minimax_m2,
-    qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4; Nemotron-H's `backbone.` names) are loaded whole by `from_pretrained`,
-    which owns those conversions, and the skipped layers are dropped after: exact, at the memory of
-    the whole target while it loads (said on the console)."""
+    qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4; Nemotron-H's `backbone.` names) go through
+    `from_pretrained`, which owns those conversions, on the model's own class with the skipped layers
+    already stand-ins: their tensors match no parameter, so they are never converted nor kept."""
     config, model = _empty_target(recipe.target.model)
     layers = decoder_of(model).layers
     for i in skip:
@@ -203,18 +214,21 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     dtype = resolve_dtype(recipe.target.dtype, device)
     converted = sorted(wanted - _names_on_disk(recipe.target.model))
     if converted:
-        from transformers import AutoModelForCausalLM
+        import transformers
         print(f"target.model={recipe.target.model!r}: its tensors are renamed or converted while loading "
-              f"({converted[0]} ...); loading it whole to rebuild features, then keeping {len(layers) - len(skip)} of "
-              f"{len(layers)} layers", flush=True)
-        model, info = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, output_loading_info=True)
+              f"({converted[0]} ...); loading {len(layers) - len(skip)} of {len(layers)} layers through transformers' "
+              "own conversions", flush=True)
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # the skipped layers' tensors are "not used", by design
+        try:
+            model, info = _without_layers(type(model), skip).from_pretrained(recipe.target.model, dtype=dtype,
+                                                                               output_loading_info=True)
+        finally:
+            transformers.logging.set_verbosity(verbosity)
         lacking = sorted(set(info.get("missing_keys", ())) & wanted)  # genuinely absent, not renamed: never initialised at random
         if lacking:
             raise ValueError(f"{recipe.target.model}: weight files lack {lacking[:4]}{' ...' if len(lacking) > 4 else ''} "
                              "(needed to rebuild features at train time; capture with capture.recompute: false instead)")
-        layers = decoder_of(model).layers
-        for i in skip:
-            layers[i] = Skip.for_decoder(decoder_of(model), layers[i])
         model.requires_grad_(False)
         return model.eval().to(device)
     state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "

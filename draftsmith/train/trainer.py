@@ -34,6 +34,24 @@ def train_inputs_hash(recipe: Recipe) -> str:
     return recipe.section_hash("target", "data", "capture", "head", "train")
 
 
+CPU_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory_on_cpu(threshold: int = CPU_MMAP_THRESHOLD) -> bool:
+    """On CPU, tensors come from glibc's malloc, whose adaptive threshold keeps freed blocks of up to 32 MiB
+    in its heap: the thousands of activation blocks a long sample frees stay resident (measured at 4096
+    tokens, blocks sized as for 32768: a peak 1.7x the one with this setting). A fixed threshold gives every
+    allocation of `threshold` bytes or more its own mapping, which free() returns to the system. True if
+    set; no-op (False) where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def make_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -44,6 +62,8 @@ def make_accelerator(recipe: Recipe):
     if recipe.head.lora is not None:  # joint: the adapters get no gradient in the heads-only stage
         from accelerate.utils import DistributedDataParallelKwargs
         kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    if not torch.cuda.is_available():
+        return_freed_memory_on_cpu()
     accelerator = Accelerator(gradient_accumulation_steps=recipe.train.grad_accum, step_scheduler_with_optimizer=False,
                               cpu=not torch.cuda.is_available(), **kwargs)
     ds = accelerator.state.deepspeed_plugin

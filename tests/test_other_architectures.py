@@ -78,6 +78,17 @@ def test_pipeline_on_modern_architectures(tmp_path, micro_target, arch):
     validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
     assert validation["exact_match"] and validation["exact_vs_generate"], summary
     assert (recipe.run_dir / "export" / "sglang" / "config.json").exists()
+    if arch in ("qwen3_next", "falcon_h1"):  # economics on recurrent targets: batches of rows rolled back each on its own
+        from draftsmith.runtime.sweep import run_economics
+        econ = micro_recipe(tmp_path / "runs", target, "target.embedded=null", "data.max_conversations=24",
+                            "train.max_steps=2", "validate.num_prompts=2", "validate.max_new_tokens=24", *overrides,
+                            "economics.batch_sizes=[1,3]", "economics.num_speculative_tokens=[3]", "economics.num_prompts=3",
+                            "economics.max_new_tokens=12", "economics.baselines=[ngram]")
+        run_economics(econ, out=str(tmp_path / "econ"))
+        data = json.loads((tmp_path / "econ" / "economics.json").read_text())
+        assert data["batch_sizes"] == [1, 3] and set(data["drafters"]) == {"eagle3", "ngram"}
+        for name, d in data["drafters"].items():
+            assert d["exact_rows"] == d["rows"] > 0 and set(d["cells"]) == {"1", "3"}, name
 
 
 # every other head kind on today's layouts: each kind on a target whose layers its drafting or features must get

@@ -110,16 +110,20 @@ def test_head_overfits_a_batch(target):
     assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8
 
 
-def test_greedy_exact_and_sampling_follows_the_target(target):
+@pytest.mark.parametrize("tree", [TreeConfig(4, 1, 5), TreeConfig(4, 3, 10)], ids=["chain", "ddtree"])
+def test_greedy_exact_and_sampling_follows_the_target(target, tree):
     head = _head(target, block=5).eval()
     runner = TargetRunner(target, 160, IDS)
-    drafter = DFlashDrafter(head, 160, TreeConfig(4, 1, 5))
+    drafter = DFlashDrafter(head, 160, tree)
     for seed in range(3):
         prompt = torch.randint(0, V, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed))
         base = plain_generate(runner, prompt, 32, SamplingConfig(), set())
         spec = speculative_generate(runner, drafter, prompt, 32, SamplingConfig(), set())
         assert spec.tokens == base.tokens
         assert spec.tokens == generate_reference(target, prompt, 32, set())[0]
+    if tree.top_k > 1:  # a DDTree: branches where the marginals leave doubt, within the node budget
+        drafted = drafter.draft_trees(prompt[-1:])[0]
+        assert len(drafted) == tree.num_nodes and max(len(drafted.children(n)) for n in range(len(drafted))) > 1
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     tv, support_ok = two_token_total_variation(target, runner, drafter, torch.randint(0, V, (6,)), cfg, 1500, seed=0)
     assert support_ok and tv < 0.07
@@ -288,3 +292,30 @@ def test_sliding_layers_train_as_they_draft_exactly_and_export(target, tmp_path)
     with pytest.raises(ValueError, match="head.layer_types"):
         DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=4, num_layers=2,
                                                          layer_types=["sliding_attention"]), IDS)
+
+
+def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
+    """The DDTree over per-depth marginals holds exactly the num_nodes - 1 paths of highest probability (the
+    product of their tokens' marginals) among every path over each depth's top-k, found here by enumeration."""
+    import itertools
+    import math
+    from draftsmith.heads.tree import ancestor_mask, marginal_tree
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 2
+    probs = torch.softmax(logits, -1)
+    tree = marginal_tree(torch.tensor(7), logits, top_k=3, num_nodes=12)
+    top = probs.topk(3, dim=-1)
+    paths = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
+    score = {p: math.prod(float(top.values[i, r]) for i, r in enumerate(p)) for p in paths}
+    best = sorted(paths, key=lambda p: -score[p])[:11]
+    kept = set()
+    for node in range(1, len(tree)):  # each node's path of tokens from the root
+        path, n = [], node
+        while n > 0:
+            path.append(int(tree.tokens_N[n]))
+            n = int(tree.parent_N[n])
+        kept.add(tuple(reversed(path)))
+    assert kept == {tuple(int(top.indices[i, r]) for i, r in enumerate(p)) for p in best}
+    assert int(tree.tokens_N[0]) == 7 and torch.equal(tree.mask_NN, ancestor_mask(tree.parent_N, tree.depth_N))
+    chain = marginal_tree(torch.tensor(7), logits, top_k=1, num_nodes=4)
+    assert chain.tokens_N.tolist() == [7] + logits[:3].argmax(-1).tolist()

@@ -159,15 +159,19 @@ def test_head_overfits_a_batch(target):
     assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8 and metrics["acc_2"] > 0.7
 
 
-def test_greedy_exact_and_sampling_follows_the_target(target):
+@pytest.mark.parametrize("tree", [TreeConfig(4, 1, 5), TreeConfig(4, 3, 10)], ids=["chain", "ddtree"])
+def test_greedy_exact_and_sampling_follows_the_target(target, tree):
     head = _head(target).eval()
     runner = TargetRunner(target, 160, IDS)
-    drafter = PEagleDrafter(head, 160, TreeConfig(4, 1, 5))
+    drafter = PEagleDrafter(head, 160, tree)
     for seed in range(3):
         prompt = torch.randint(0, V, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed))
         base = plain_generate(runner, prompt, 32, SamplingConfig(), set())
         spec = speculative_generate(runner, drafter, prompt, 32, SamplingConfig(), set())
         assert spec.tokens == base.tokens == generate_reference(target, prompt, 32, set())[0]
+    if tree.top_k > 1:  # a DDTree: branches where the marginals leave doubt, within the node budget
+        drafted = drafter.draft_trees(prompt[-1:])[0]
+        assert len(drafted) == tree.num_nodes and max(len(drafted.children(n)) for n in range(len(drafted))) > 1
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     tv, support_ok = two_token_total_variation(target, runner, drafter, torch.randint(0, V, (6,)), cfg, 1500, seed=0)
     assert support_ok and tv < 0.07

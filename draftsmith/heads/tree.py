@@ -142,3 +142,16 @@ def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
     parent = torch.arange(-1, n - 1, device=root.device)
     depth = torch.arange(n, device=root.device)
     return Tree(torch.cat([root.view(1), tokens]), parent, depth, torch.ones(n, n, dtype=torch.bool, device=root.device).tril())
+
+
+def marginal_tree(root: torch.Tensor, logits_DV: torch.Tensor, top_k: int, num_nodes: int, to_target=None) -> Tree:
+    """A parallel drafter's tree (DDTree, for DFlash and P-EAGLE): `logits_DV[d]` is depth d+1's distribution,
+    drafted in one forward without seeing the tokens before it, so a path's probability is the product of its
+    tokens' marginals. The best-first tree on those products (`tree_from_accuracies`, each depth's `top_k`
+    most likely tokens as ranks) of `num_nodes` nodes; `top_k` 1 is the chain of argmaxes. `to_target` maps
+    draft-vocabulary ids to the target's."""
+    probs, tokens = torch.softmax(logits_DV.float(), dim=-1).topk(max(1, top_k), dim=-1)
+    tokens = to_target(tokens) if to_target is not None else tokens
+    if top_k <= 1:
+        return chain_tree(root, tokens[:num_nodes - 1, 0])
+    return static_tree(root, tree_from_accuracies(probs.tolist(), num_nodes), tokens)

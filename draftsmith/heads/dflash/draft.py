@@ -3,19 +3,20 @@
 Each row keeps every layer's context K/V for its committed positions (computed once, when the target's features
 for them arrive in `extend_rows`); the block's own K/V are thrown away after the round. The block's slots 1..d
 (d = min(validate.depth, B - 1)) give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
-verification keeps lossless under sampling too). `validate.top_k` has no meaning here: DFlash drafts chains."""
+verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
+over the slots' marginals (`heads/tree.marginal_tree`)."""
 from __future__ import annotations
 
 import torch
 
 from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager
-from draftsmith.heads.tree import Tree, chain_tree
+from draftsmith.heads.tree import Tree, marginal_tree
 
 
 class DFlashDrafter(BatchOfOne):
     def __init__(self, head, max_len: int, tree: TreeConfig, compile_step=eager, batch_size: int = 1):
         self.head, self.tree_cfg, self.batch_size, self.max_len = head, tree, batch_size, max_len
-        self.depth = max(1, min(tree.depth, head.block_size - 1, tree.num_nodes - 1))
+        self.depth = max(1, min(tree.depth, head.block_size - 1, tree.num_nodes - 1 if tree.top_k <= 1 else tree.depth))
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = head.config
@@ -41,8 +42,8 @@ class DFlashDrafter(BatchOfOne):
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
-        drafted = self.block_logits(roots_B)[:, :self.depth].argmax(-1)
-        return [chain_tree(root, drafted[b]) for b, root in enumerate(roots_B)]
+        logits = self.block_logits(roots_B)[:, :self.depth]
+        return [marginal_tree(root, logits[b], self.tree_cfg.top_k, self.tree_cfg.num_nodes) for b, root in enumerate(roots_B)]
 
     @torch.no_grad()
     def block_logits(self, roots_B: torch.Tensor) -> torch.Tensor:

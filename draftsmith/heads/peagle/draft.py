@@ -6,19 +6,20 @@ K - 1 placeholder slots [MASK, mask_hidden] at positions length_b - 1 + d right 
 row's scratch space, overwritten next round). A query at position p sees every cache slot <= p: the committed
 context for committed rows, the context and the earlier placeholders for slot d. The last committed row gives
 draft token 1, slot d token d + 1; `draft_trees` returns that chain (argmax drafts: deterministic, which the
-runtime's verification keeps lossless under sampling too). `validate.top_k` has no meaning here: chains."""
+runtime's verification keeps lossless under sampling too), or with `validate.top_k` > 1 a DDTree of
+`validate.num_nodes` nodes over the slots' marginals (`heads/tree.marginal_tree`)."""
 from __future__ import annotations
 
 import torch
 
 from draftsmith.heads.drafting import BatchOfOne, TreeConfig, attend_with_mask, eager, padded_commits
-from draftsmith.heads.tree import Tree, chain_tree
+from draftsmith.heads.tree import Tree, marginal_tree
 
 
 class PEagleDrafter(BatchOfOne):
     def __init__(self, head, max_len: int, tree: TreeConfig, compile_step=eager, batch_size: int = 1):
         self.head, self.tree_cfg, self.batch_size = head, tree, batch_size
-        self.num_tokens = max(1, min(tree.depth, tree.num_nodes - 1))
+        self.num_tokens = max(1, min(tree.depth, tree.num_nodes - 1 if tree.top_k <= 1 else tree.depth))
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = head.config
@@ -28,7 +29,7 @@ class PEagleDrafter(BatchOfOne):
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.lengths = [0] * batch_size
-        self.drafts = torch.zeros(batch_size, self.num_tokens, dtype=torch.long, device=self.device)
+        self.drafts = None                                   # [B, K, V_draft] logits of each row's next chain
         self.rows_B = torch.arange(batch_size, device=self.device)
 
     def reset(self) -> None:
@@ -71,10 +72,10 @@ class PEagleDrafter(BatchOfOne):
         chain = torch.cat([last[:, None], h[:, T:]], dim=1)                                   # [B, K, H]
         logits = self.head.logits(chain).float()                                              # [B, K, V_draft]
         self.chain_logits = logits
-        drafted = self.head.to_target_ids(logits.argmax(-1))
-        self.drafts = torch.where((counts_B > 0)[:, None], drafted, self.drafts)
+        self.drafts = logits if self.drafts is None else torch.where((counts_B > 0)[:, None, None], logits, self.drafts)
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
-        return [chain_tree(root, self.drafts[b]) for b, root in enumerate(roots_B)]
+        return [marginal_tree(root, self.drafts[b], self.tree_cfg.top_k, self.tree_cfg.num_nodes, self.head.to_target_ids)
+                for b, root in enumerate(roots_B)]

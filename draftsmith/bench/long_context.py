@@ -10,7 +10,10 @@ three settings of the same head:
 
 Each point runs in a fresh process (`python -m draftsmith.bench.long_context T SETTING`) whose address
 space is capped, so a point that does not fit fails with an allocation error instead of taking the
-machine down; its memory is the peak RSS above what the head and the sample hold before the step."""
+machine down; its memory is the peak RSS above what the head and the sample hold before the step. The
+step sets the CPU allocator as the trainer does (`train/trainer.return_freed_memory_on_cpu`). A point
+measured by a later version of the code than the rest of its table carries its own `date` and `code`,
+which the rendered table names."""
 from __future__ import annotations
 
 import json
@@ -130,6 +133,9 @@ def render_long_context(r: dict) -> list[str]:
             cells.append("-" if p is None else "does not fit" if not p["fits"] else
                          f"{p['memory_above_model_gb']:.2f} / {p['step_seconds']:.1f} s")
         lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    later = [f"{s} {T} ({p['date']}: {p['code']})" for s in settings for T, p in lc["points"][s].items() if p.get("date")]
+    if later:
+        lines += ["", "Measured later than the rest of the table, with the code then: " + "; ".join(later) + "."]
     lines += ["", "Memory growth per doubling: " + "; ".join(
         f"{s} {', '.join(_growth(lc['points'][s]))}" for s in settings), ""]
     return lines + _goals(lc["points"])
@@ -142,8 +148,8 @@ def _goals(points: dict) -> list[str]:
     longest = points.get("blocked+ckpt", {}).get("32768") or {}
     lines = [f"Goals (issue #30): memory at most 2.2x per doubling: blocked at most {worst:.2f}x "
              f"({'reached' if worst <= 2.2 else 'NOT reached'}); 32768 tokens in one 24 GB process with TTT 7: "
-             + ("reached" if longest.get("fits") else "NOT reached (an allocation failed under the 23 GB cap)"
-                if longest else "not measured")]
+             + (f"reached ({longest['memory_above_model_gb']:.1f} GB above the model, {longest['step_seconds'] / 60:.0f} min)"
+                if longest.get("fits") else "NOT reached (an allocation failed under the 23 GB cap)" if longest else "not measured")]
     if "2048" in blocked and "2048" in whole:
         lines.append(f"; step time at 2048 tokens: blocked {blocked['2048']['step_seconds']:.0f} s against whole "
                      f"{whole['2048']['step_seconds']:.0f} s (these runs shared the 2 cores with other jobs: times are "

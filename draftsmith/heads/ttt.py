@@ -42,7 +42,7 @@ def _block_attention(q_BhCd, k0, v0, diag_keys, diag_values, start: int, local: 
         diag = [(q_BhCd * _repeat_kv(kj[:, :, local:local + C], heads)).sum(-1).float() * scale for kj in diag_keys]
         scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)
     weights = torch.softmax(scores, dim=-1).to(q_BhCd.dtype)
-    out = (weights[..., :end].reshape(B, kv_heads, group * C, end) @ v0[:, :, :end]).view(B, heads, C, d)
+    out = (weights[..., :end].reshape(B, kv_heads, group * C, end) @ v0[:, :, :end]).view(B, heads, C, v0.shape[-1])
     for j, vj in enumerate(diag_values):
         out = out + weights[..., end + j, None] * _repeat_kv(vj[:, :, local:local + C], heads)
     return out

@@ -2,7 +2,7 @@
 Mistral, OLMo 3, EXAONE 4, Cohere 2), chunked attention (Llama 4), linear attention and state-space
 layers (Qwen3-Next, Qwen3.5, Falcon-H1, Nemotron-H, LFM2). Windows and chunks are 4 tokens, a fraction
 of prompt + answer; every output must equal the model's own `generate`, tree or chain, whatever the
-drafter gets right. Recurrent targets are rolled back with a drafter that is wrong at chosen depths."""
+drafter gets right. Recurrent targets keep the states of a chain's accepted position, with a drafter wrong at chosen depths."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,8 +79,14 @@ def test_speculative_output_equals_generate_on_every_layer_type(model_type):
     assert len(reference) == NEW  # several windows past the prompt
     assert plain_generate(runner, prompt, NEW, GREEDY, eos).tokens == reference
     drafter = CyclingDrafter(reference, PROMPT, DEPTH, 128, width=1 if runner.recurrent else 2)
+    forwards = []
+    hook = runner.extractor.decoder.register_forward_pre_hook(lambda *_: forwards.append(1))
     spec = speculative_generate(runner, drafter, prompt, NEW, GREEDY, eos)
+    hook.remove()
     assert spec.tokens == reference
+    # one target forward per round however much of a chain is kept: recurrent layers keep their states
+    # after each drafted position instead of running the accepted tokens again
+    assert len(forwards) == 1 + len(spec.accept_lengths)
     full = [a for a in spec.accept_lengths[:-1]]
     assert {0, DEPTH} <= set(full) and set(full) & set(range(1, DEPTH))  # rejected, partial and whole rounds
 
@@ -130,7 +136,7 @@ class Rows:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "lfm2"])
-def test_a_recurrent_target_decodes_batched_each_row_rolled_back_on_its_own(model_type):
+def test_a_recurrent_target_decodes_batched_each_row_keeping_its_own_position(model_type):
     """Rows of different prompt lengths, each drafter wrong at its own depths, so one round keeps whole,
     partial and empty chains side by side (chains padded to more nodes than they have: padding rolls
     back too); every row equals `generate` on its prompt alone."""

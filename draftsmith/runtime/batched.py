@@ -51,13 +51,9 @@ class BatchRunner(TargetRunner):
         if self.scratch + N > self.max_len:
             raise ValueError(f"sequence of {self.scratch + N} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.scratch)
-        if self.recurrent:  # every row's chain (and its padding nodes) rolls back in `commit_rows`
-            self._refuse_trees(tree_mask_BNN)
-            self._take_snapshot(tokens_BN)
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + depth_BN
-        decode = self.decode_fixed if fixed else self._decode
         lengths = torch.tensor(self.lengths, device=self.device)
-        return decode(tokens_BN, positions, self._masks(tree_mask_BNN, lengths, self.scratch, depth_BN))
+        return self._run(tokens_BN, positions, tree_mask_BNN, self._masks(tree_mask_BNN, lengths, self.scratch, depth_BN), fixed)
 
     def prefill_rows(self, prompts: list[torch.Tensor]):
         """Right-padded prompts in one forward (a recurrent target: `_run_rows`): per row (last logits_V, features_TK)."""
@@ -75,21 +71,10 @@ class BatchRunner(TargetRunner):
         return [logits[b, len(p) - 1] for b, p in enumerate(prompts)], [features[b, :len(p)] for b, p in enumerate(prompts)]
 
     def commit_rows(self, paths: list[torch.Tensor]) -> None:
-        """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty). On a
-        recurrent target, rows that kept their whole chain keep the states it left; the others go back to
-        the states before it and run their accepted tokens again (`_run_rows`)."""
-        snapshot, self._snapshot = self._snapshot, None
-        if self.recurrent and snapshot is not None:
-            whole = [len(p) == snapshot[0].shape[1] for p in paths]
-            if not all(whole):
-                rows = torch.tensor([b for b, w in enumerate(whole) if w], dtype=torch.long, device=self.device)
-                after = self._row_states(rows)
-                self._commit_kv([p if w else p[:0] for p, w in zip(paths, whole)])
-                self._snapshot = snapshot
-                tokens_BN = self._restore_snapshot()
-                self._run_rows([p[:0] if w else tokens_BN[b, p] for b, (p, w) in enumerate(zip(paths, whole))])
-                self._put_row_states(after, rows)
-                return
+        """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty); on a
+        recurrent target, the states after its last kept node (`_keep_states`)."""
+        if self.recurrent:
+            self._keep_states([len(p) for p in paths])
         self._commit_kv(paths)
 
     def _commit_kv(self, paths: list[torch.Tensor]) -> None:
@@ -144,10 +129,10 @@ class BatchRunner(TargetRunner):
     def _row_states(self, rows: torch.Tensor) -> list:
         """Copies of the conv and recurrent states of `rows` (batch dimension 0), per recurrent layer."""
         return [[{i: s.index_select(0, rows) for i, s in store.items() if s is not None}
-                 for store in (layer.conv_states, layer.recurrent_states)] for layer in self.recurrent]
+                 for store in (layer.conv_states, layer.recurrent_states)] for layer in self.recurrent.values()]
 
     def _put_row_states(self, states: list, rows: torch.Tensor) -> None:
-        for layer, saved in zip(self.recurrent, states):
+        for layer, saved in zip(self.recurrent.values(), states):
             for store, part in zip((layer.conv_states, layer.recurrent_states), saved):
                 for i, s in part.items():
                     store[i].index_copy_(0, rows, s)

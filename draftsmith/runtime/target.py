@@ -13,14 +13,16 @@ with several types receive the dict of masks keyed by type that their forward re
   rejected nodes can be dropped and its accepted ones committed exactly, however many windows
   long the sequence grows. Sinks, soft-capping and NoPE layers are the model's own code.
 - Recurrent layers (gated DeltaNet, Mamba-2, short convolutions) keep transformers' own
-  linear-attention cache layers. They advance over a chain only: verification starts from a
-  snapshot of every conv and recurrent state, and when the chain is accepted in part the states go
-  back to the snapshot and the accepted tokens run again, so the state committed is exactly the
-  state after the last accepted one (engines keep one state per draft position in their kernels;
-  this costs one more forward over the accepted tokens). Trees are refused on these targets."""
+  linear-attention cache layers. They advance over a chain only. As the engines do, verifying a chain
+  keeps every conv and recurrent state after each draft position, and the commit keeps the state
+  after the last accepted one. The per-position states come from the model's own single-token
+  decode path: during a chain's verification each recurrent mixer runs position by position, while
+  every other layer runs the whole chain at once. Trees are refused on these targets.
+"""
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin, StaticLayer,
@@ -32,6 +34,26 @@ from draftsmith.targets.features import FeatureExtractor
 
 ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 RECURRENT_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
+# what transformers' hybrid decoder layers call their recurrent mixer (gated DeltaNet, Mamba-2, short conv)
+MIXER_NAMES = ("linear_attn", "mamba", "mixer", "conv")
+
+
+def recurrent_mixers(decoder, cache_types: list[str]) -> dict[int, torch.nn.Module]:
+    """The module of each recurrent layer that reads and writes its conv and recurrent states."""
+    mixers = {}
+    for i, (layer, cache_type) in enumerate(zip(decoder.layers, cache_types)):
+        if cache_type in RECURRENT_TYPES:
+            found = [getattr(layer, name) for name in MIXER_NAMES if isinstance(getattr(layer, name, None), torch.nn.Module)]
+            if not found:
+                raise ValueError(f"{type(layer).__name__} (layer {i}, a {cache_type!r} layer): no recurrent mixer found "
+                                 f"under any of {list(MIXER_NAMES)}")
+            mixers[i] = found[0]
+    return mixers
+
+
+def _states(layer) -> tuple[dict, dict]:
+    return tuple({i: s.clone() for i, s in store.items() if s is not None}
+                 for store in (layer.conv_states, layer.recurrent_states))
 
 
 class LayerLayout:
@@ -106,8 +128,10 @@ class TargetRunner:
         self.device, self.dtype = model.device, model.dtype
         self.layout = LayerLayout(model.config)
         self.cache = self.layout.cache(max_len)
-        self.recurrent = [layer for layer in self.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        self._snapshot = None
+        # recurrent layers by index: their states before the chain being verified and after each of its positions
+        self.recurrent = {i: layer for i, layer in enumerate(self.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+        self.mixers = recurrent_mixers(self.extractor.decoder, self.layout.cache_types) if self.recurrent else {}
+        self._snapshot, self._steps, self._chain_length = None, None, 0
         params = inspect.signature(self.extractor.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
@@ -119,7 +143,7 @@ class TargetRunner:
     def reset(self) -> None:
         self.cache.reset()
         self.length = 0
-        self._snapshot = None
+        self._snapshot, self._steps = None, None
 
     def _masks(self, tree_mask_BNN: torch.Tensor, lengths_B: torch.Tensor, scratch: int, depth_BN: torch.Tensor):
         """Row b sees its committed [0, lengths_b) and its own tree block at [scratch, scratch + N),
@@ -160,22 +184,64 @@ class TargetRunner:
             raise ValueError(f"{self.model.config.model_type} has recurrent layers, which advance over one chain: "
                              "draft chains (validate.top_k: 1), not trees")
 
-    def _take_snapshot(self, tokens_N: torch.Tensor) -> None:
-        """Every conv and recurrent state as it is before a chain runs, with the chain's tokens."""
-        states = [({i: s.clone() if s is not None else None for i, s in layer.conv_states.items()},
-                   {i: s.clone() if s is not None else None for i, s in layer.recurrent_states.items()},
-                   dict(layer.has_previous_state)) for layer in self.recurrent]
-        self._snapshot = (tokens_N, states)
+    def _take_snapshot(self) -> None:
+        """Every conv and recurrent state as it is before a chain runs, and whether each layer had one."""
+        self._snapshot = {i: (_states(layer), dict(layer.has_previous_state)) for i, layer in self.recurrent.items()}
+        self._steps = None
 
-    def _restore_snapshot(self) -> torch.Tensor:
-        tokens_N, states = self._snapshot
-        for layer, (conv, recurrent, previous) in zip(self.recurrent, states):
-            for store, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
-                for i, state in saved.items():
-                    if state is not None and store[i] is not None:
-                        store[i].copy_(state)
-            layer.has_previous_state.update(previous)
-        return tokens_N
+    @contextmanager
+    def _per_position(self, N: int):
+        """Inside: each recurrent mixer runs the N positions one by one (the model's single-token decode)
+        and its states after each position are kept in `_steps`."""
+        self._steps = {i: [] for i in self.mixers}
+        own = {i: module.__dict__.get("forward") for i, module in self.mixers.items()}
+        for i, module in self.mixers.items():
+            module.forward = self._stepper(i, module.forward, N)
+        try:
+            yield
+        finally:
+            for i, module in self.mixers.items():
+                if own[i] is None:
+                    del module.forward
+                else:
+                    module.forward = own[i]
+
+    def _stepper(self, i: int, forward, N: int):
+        layer, kept = self.recurrent[i], self._steps[i]
+
+        def step(*args, **kwargs):
+            hidden, rest = (kwargs.pop("hidden_states"), args) if "hidden_states" in kwargs else (args[0], args[1:])
+            outputs = []
+            for j in range(N):  # 2-D per-position arguments (padding masks) go position by position too
+                sliced = {k: v[:, j:j + 1] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == N else v for k, v in kwargs.items()}
+                outputs.append(forward(hidden[:, j:j + 1], *rest, **sliced))
+                kept.append(_states(layer))
+            return torch.cat(outputs, 1)
+        return step
+
+    def _keep_states(self, accepted_B: list[int]) -> None:
+        """Row b's conv and recurrent states become those after the first accepted_b positions of the
+        chain last verified (0: the states before it)."""
+        snapshot, steps, N = self._snapshot, self._steps, self._chain_length
+        self._snapshot = self._steps = None
+        if snapshot is None:
+            return
+        for i, layer in self.recurrent.items():
+            (before, previous) = snapshot[i]
+            for b, accepted in enumerate(accepted_B):
+                if accepted == 0:
+                    chosen = before
+                elif steps is not None and accepted < len(steps[i]):
+                    chosen = steps[i][accepted - 1]
+                elif steps is None and accepted < N:
+                    raise RuntimeError(f"{accepted} of {N} positions kept from a forward that kept no per-position states")
+                else:
+                    continue  # the whole chain: the states it left
+                for store, saved in zip((layer.conv_states, layer.recurrent_states), chosen):
+                    for k, state in saved.items():
+                        store[k][b].copy_(state[b])
+            if not any(accepted_B):
+                layer.has_previous_state.update(previous)
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
@@ -183,13 +249,23 @@ class TargetRunner:
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
-        if self.recurrent:
-            self._refuse_trees(tree_mask_NN[None])
-            self._take_snapshot(tokens_N)
         self._set_length(self.length)
-        decode = self.decode_fixed if fixed else self._decode
         lengths = torch.tensor([self.length], device=self.device)
-        return decode(tokens_N[None], (self.length + depth_N)[None], self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]))
+        return self._run(tokens_N[None], (self.length + depth_N)[None], tree_mask_NN[None],
+                         self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]), fixed)
+
+    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool):
+        """The target's forward; on a recurrent target the states are kept before it and, in a verification
+        (`fixed`) of several positions, after each position (eager: the per-position loop is Python)."""
+        if not self.recurrent:
+            return (self.decode_fixed if fixed else self._decode)(tokens_BN, positions_BN, masks)
+        self._refuse_trees(tree_mask_BNN)
+        self._take_snapshot()
+        self._chain_length = tokens_BN.shape[1]
+        if not fixed or tokens_BN.shape[1] == 1:
+            return self._decode(tokens_BN, positions_BN, masks)
+        with self._per_position(tokens_BN.shape[1]):
+            return self._decode(tokens_BN, positions_BN, masks)
 
     def prefill(self, prompt_T: torch.Tensor):
         T = len(prompt_T)
@@ -207,17 +283,8 @@ class TargetRunner:
 
     def commit(self, node_idx_A: torch.Tensor) -> None:
         """Keep the KV of the accepted tree nodes (indices into the last forward's N tokens)."""
-        if self.recurrent and self._snapshot is not None and len(node_idx_A) < len(self._snapshot[0]):
-            # a chain accepted in part: back to the states before it, then the accepted tokens again
-            tokens = self._restore_snapshot()[node_idx_A]
-            A = len(tokens)
-            self._snapshot = None
-            self.forward(tokens, torch.arange(A, device=self.device),
-                         torch.ones(A, A, dtype=torch.bool, device=self.device).tril(), fixed=False)
-            self._snapshot = None
-            self._set_length(self.length + A)
-            return
-        self._snapshot = None
+        if self.recurrent:
+            self._keep_states([len(node_idx_A)])
         src = self.length + node_idx_A
         dst = torch.arange(self.length, self.length + len(node_idx_A), device=self.device)
         for layer in self.cache.layers:

@@ -2,7 +2,7 @@
 Mistral, OLMo 3, EXAONE 4, Cohere 2), chunked attention (Llama 4), linear attention and state-space
 layers (Qwen3-Next, Qwen3.5, Falcon-H1, Nemotron-H, LFM2). Windows and chunks are 4 tokens, a fraction
 of prompt + answer; every output must equal the model's own `generate`, tree or chain, whatever the
-drafter gets right. Recurrent targets keep the states of a chain's accepted position, with a drafter wrong at chosen depths."""
+drafter gets right. Recurrent targets keep the states after a chain's last accepted position, with a drafter wrong at chosen depths."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -84,8 +84,8 @@ def test_speculative_output_equals_generate_on_every_layer_type(model_type):
     spec = speculative_generate(runner, drafter, prompt, NEW, GREEDY, eos)
     hook.remove()
     assert spec.tokens == reference
-    # one target forward per round however much of a chain is kept: recurrent layers keep their states
-    # after each drafted position instead of running the accepted tokens again
+    # one target forward per round however much of a chain is kept: a recurrent target gets the states after
+    # the last accepted position by running its recurrent mixers alone over their recorded inputs
     assert len(forwards) == 1 + len(spec.accept_lengths)
     full = [a for a in spec.accept_lengths[:-1]]
     assert {0, DEPTH} <= set(full) and set(full) & set(range(1, DEPTH))  # rejected, partial and whole rounds

@@ -80,8 +80,8 @@ def render_layer_types(r: dict) -> list[str]:
              "Validation on a windowed and a hybrid target (`draftsmith/bench/layer_types.py`): the windowed one is the demo "
              f"target's weights with a {WINDOW}-token sliding window (every prompt spans several windows), its head started "
              "from the demo's; the hybrid one is a tiny Qwen3-Next (gated DeltaNet + full attention, MoE) trained 200 steps "
-             "on the demo's corpus, drafting chains (verification keeps the recurrent states after each drafted "
-             "position, computed by the model's own single-token decode path, and commits those of the last accepted one). Each head trains on its target's own regenerated answers. Exact = speculative output equal to our "
+             "on the demo's corpus, drafting chains (a chain kept in part gets the recurrent states after its last "
+             "accepted token by running the recurrent mixers alone again over their recorded inputs, which the speedup includes). Each head trains on its target's own regenerated answers. Exact = speculative output equal to our "
              "plain decoding and to the model's own `generate`, on every prompt.", "",
              "| target | tree | context positions drafted at | tau | speedup vs plain | exact vs plain | exact vs generate |",
              "|---|---|---|---|---|---|---|"]

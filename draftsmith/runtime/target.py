@@ -13,11 +13,11 @@ with several types receive the dict of masks keyed by type that their forward re
   rejected nodes can be dropped and its accepted ones committed exactly, however many windows
   long the sequence grows. Sinks, soft-capping and NoPE layers are the model's own code.
 - Recurrent layers (gated DeltaNet, Mamba-2, short convolutions) keep transformers' own
-  linear-attention cache layers. They advance over a chain only. As the engines do, verifying a chain
-  keeps every conv and recurrent state after each draft position, and the commit keeps the state
-  after the last accepted one. The per-position states come from the model's own single-token
-  decode path: during a chain's verification each recurrent mixer runs position by position, while
-  every other layer runs the whole chain at once. Trees are refused on these targets.
+  linear-attention cache layers. They advance over a chain only; trees are refused on these targets.
+  Verification keeps every conv and recurrent state from before the chain and what each recurrent mixer
+  reads over it (its layer's input). A chain kept whole keeps the states it left; one kept in part
+  gets the states after its last accepted position by running only the recurrent mixers again over
+  the accepted positions of their recorded inputs: no other layer and no second target forward.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class TargetRunner:
         # recurrent layers by index: their states before the chain being verified and after each of its positions
         self.recurrent = {i: layer for i, layer in enumerate(self.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
         self.mixers = recurrent_mixers(self.extractor.decoder, self.layout.cache_types) if self.recurrent else {}
-        self._snapshot, self._steps, self._chain_length = None, None, 0
+        self._snapshot, self._inputs, self._chain_length = None, None, 0
         params = inspect.signature(self.extractor.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
@@ -143,7 +143,7 @@ class TargetRunner:
     def reset(self) -> None:
         self.cache.reset()
         self.length = 0
-        self._snapshot, self._steps = None, None
+        self._snapshot, self._inputs = None, None
 
     def _masks(self, tree_mask_BNN: torch.Tensor, lengths_B: torch.Tensor, scratch: int, depth_BN: torch.Tensor):
         """Row b sees its committed [0, lengths_b) and its own tree block at [scratch, scratch + N),
@@ -187,61 +187,69 @@ class TargetRunner:
     def _take_snapshot(self) -> None:
         """Every conv and recurrent state as it is before a chain runs, and whether each layer had one."""
         self._snapshot = {i: (_states(layer), dict(layer.has_previous_state)) for i, layer in self.recurrent.items()}
-        self._steps = None
+        self._inputs = None
 
     @contextmanager
-    def _per_position(self, N: int):
-        """Inside: each recurrent mixer runs the N positions one by one (the model's single-token decode)
-        and its states after each position are kept in `_steps`."""
-        self._steps = {i: [] for i in self.mixers}
-        own = {i: module.__dict__.get("forward") for i, module in self.mixers.items()}
-        for i, module in self.mixers.items():
-            module.forward = self._stepper(i, module.forward, N)
+    def _recording_mixer_inputs(self):
+        """Inside: what each recurrent mixer is called with (its layer's input over the chain) is kept in `_inputs`."""
+        self._inputs = {}
+
+        def keep(i):
+            def hook(_module, args, kwargs):
+                self._inputs[i] = (args, kwargs)
+            return hook
+        hooks = [module.register_forward_pre_hook(keep(i), with_kwargs=True) for i, module in self.mixers.items()]
         try:
             yield
         finally:
-            for i, module in self.mixers.items():
-                if own[i] is None:
-                    del module.forward
-                else:
-                    module.forward = own[i]
+            for hook in hooks:
+                hook.remove()
 
-    def _stepper(self, i: int, forward, N: int):
-        layer, kept = self.recurrent[i], self._steps[i]
-
-        def step(*args, **kwargs):
-            hidden, rest = (kwargs.pop("hidden_states"), args) if "hidden_states" in kwargs else (args[0], args[1:])
-            outputs = []
-            for j in range(N):  # 2-D per-position arguments (padding masks) go position by position too
-                sliced = {k: v[:, j:j + 1] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == N else v for k, v in kwargs.items()}
-                outputs.append(forward(hidden[:, j:j + 1], *rest, **sliced))
-                kept.append(_states(layer))
-            return torch.cat(outputs, 1)
-        return step
+    def _run_mixer(self, i: int, start: int, end: int) -> None:
+        """Layer i's recurrent mixer over positions [start, end) of the chain it last verified, from its current
+        states (its output is not needed: only the states it leaves)."""
+        args, kwargs = self._inputs[i]
+        hidden, rest = (kwargs["hidden_states"], args) if "hidden_states" in kwargs else (args[0], args[1:])
+        N = hidden.shape[1]
+        sliced = {k: v[:, start:end] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == N else v
+                  for k, v in kwargs.items() if k != "hidden_states"}  # 2-D per-position arguments: padding masks
+        self.mixers[i](hidden[:, start:end], *rest, **sliced)
 
     def _keep_states(self, accepted_B: list[int]) -> None:
-        """Row b's conv and recurrent states become those after the first accepted_b positions of the
-        chain last verified (0: the states before it)."""
-        snapshot, steps, N = self._snapshot, self._steps, self._chain_length
-        self._snapshot = self._steps = None
-        if snapshot is None:
+        """Row b's conv and recurrent states become those after the first accepted_b positions of the chain last
+        verified: the chain's own for a whole chain, the states before it for none, and for a chain kept in part
+        the recurrent mixers (only they) run again over the kept positions of their recorded inputs, from the
+        states before the chain, in segments ending at each distinct kept length (a state cannot skip padding)."""
+        snapshot, inputs, N = self._snapshot, self._inputs, self._chain_length
+        if snapshot is None or all(a == N for a in accepted_B):
+            self._snapshot = self._inputs = None
             return
+        partial = sorted({a for a in accepted_B if 0 < a < N})
+        if partial and inputs is None:
+            raise RuntimeError(f"positions {partial} of {N} kept from a forward that recorded no recurrent inputs")
         for i, layer in self.recurrent.items():
-            (before, previous) = snapshot[i]
-            for b, accepted in enumerate(accepted_B):
-                if accepted == 0:
-                    chosen = before
-                elif steps is not None and accepted < len(steps[i]):
-                    chosen = steps[i][accepted - 1]
-                elif steps is None and accepted < N:
-                    raise RuntimeError(f"{accepted} of {N} positions kept from a forward that kept no per-position states")
-                else:
-                    continue  # the whole chain: the states it left
-                for store, saved in zip((layer.conv_states, layer.recurrent_states), chosen):
-                    for k, state in saved.items():
-                        store[k][b].copy_(state[b])
+            (before, previous), after = snapshot[i], _states(layer)
+            at = {0: before, N: after}
+            if partial:
+                self._assign(layer, before)
+                start = 0
+                for end in partial:
+                    self._run_mixer(i, start, end)
+                    at[end], start = _states(layer), end
+            for store, k in ((layer.conv_states, 0), (layer.recurrent_states, 1)):
+                for idx, state in store.items():
+                    if state is not None:
+                        for b, a in enumerate(accepted_B):
+                            state[b].copy_(at[a][k][idx][b])
             if not any(accepted_B):
                 layer.has_previous_state.update(previous)
+        self._snapshot = self._inputs = None
+
+    @staticmethod
+    def _assign(layer, states: tuple[dict, dict]) -> None:
+        for store, saved in zip((layer.conv_states, layer.recurrent_states), states):
+            for idx, state in saved.items():
+                store[idx].copy_(state)
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
@@ -256,7 +264,7 @@ class TargetRunner:
 
     def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool):
         """The target's forward; on a recurrent target the states are kept before it and, in a verification
-        (`fixed`) of several positions, after each position (eager: the per-position loop is Python)."""
+        (`fixed`) of several positions, what each recurrent mixer reads (run eagerly: hooks keep Python state)."""
         if not self.recurrent:
             return (self.decode_fixed if fixed else self._decode)(tokens_BN, positions_BN, masks)
         self._refuse_trees(tree_mask_BNN)
@@ -264,7 +272,7 @@ class TargetRunner:
         self._chain_length = tokens_BN.shape[1]
         if not fixed or tokens_BN.shape[1] == 1:
             return self._decode(tokens_BN, positions_BN, masks)
-        with self._per_position(tokens_BN.shape[1]):
+        with self._recording_mixer_inputs():
             return self._decode(tokens_BN, positions_BN, masks)
 
     def prefill(self, prompt_T: torch.Tensor):

@@ -175,3 +175,13 @@ def test_a_chunk_size_below_one_is_refused_naming_the_key():
     from draftsmith import recipe as recipe_mod
     with pytest.raises(recipe_mod.RecipeError, match="capture.chunk_tokens=0"):
         recipe_mod.loads("name: x\ntarget: {model: m}\ncapture: {chunk_tokens: 0}\n")
+
+
+def test_a_recurrent_layer_without_a_known_mixer_is_refused_by_name():
+    from draftsmith.runtime.target import recurrent_mixers
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    decoder.layers[0].mamba = torch.nn.Linear(2, 2)
+    assert recurrent_mixers(decoder, ["linear_attention", "full_attention"]) == {0: decoder.layers[0].mamba}
+    with pytest.raises(ValueError, match=r"layer 1, a 'conv' layer\): no recurrent mixer found under any of \['linear_attn'"):
+        recurrent_mixers(decoder, ["linear_attention", "conv"])

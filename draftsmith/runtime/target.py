@@ -128,7 +128,8 @@ class TargetRunner:
         self.device, self.dtype = model.device, model.dtype
         self.layout = LayerLayout(model.config)
         self.cache = self.layout.cache(max_len)
-        # recurrent layers by index: their states before the chain being verified and after each of its positions
+        # recurrent cache layers and their mixers by layer index; a verification keeps their states from before it
+        # (`_snapshot`) and what each mixer read (`_inputs`)
         self.recurrent = {i: layer for i, layer in enumerate(self.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
         self.mixers = recurrent_mixers(self.extractor.decoder, self.layout.cache_types) if self.recurrent else {}
         self._snapshot, self._inputs, self._chain_length = None, None, 0

@@ -14,6 +14,7 @@ from draftsmith.recipe import HeadConfig
 from draftsmith.train.batches import StreamedTeacher, teacher_targets
 
 V, H = 64, 32
+BLOCK_KINDS = ("dflash", "peagle")
 
 
 def _dense_ttt_attention(qs, ks, vs):
@@ -57,7 +58,9 @@ def _head(kind, vocab=V):
     tc = LlamaConfig(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=4096)
     cfg = HeadConfig(kind=kind, ttt_steps=3, draft_vocab_size=vocab) if kind != "medusa" else HeadConfig(kind=kind)
-    head = head_spec(kind).model.from_target(tc, cfg, [1, 3, 4] if kind == "eagle3" else [6])
+    if kind in BLOCK_KINDS:  # block drafters: 4-slot blocks / 3 depths, a mask token, every position an anchor
+        cfg = HeadConfig(kind=kind, block_size=4, num_layers=2, mask_token_id=0, num_anchors=64, draft_vocab_size=vocab)
+    head = head_spec(kind).model.from_target(tc, cfg, [1, 3, 4] if kind in ("eagle3",) + BLOCK_KINDS else [6])
     torch.manual_seed(1)
     for p in head.parameters():
         p.data.normal_(0, 0.2)
@@ -66,13 +69,13 @@ def _head(kind, vocab=V):
 
 def _batch(head, T=40, B=2, streamed=False):
     gen, V = torch.Generator().manual_seed(2), head.config["vocab_size"]
-    width = head.fc.in_features if head.kind == "eagle3" else H
+    width = head.fc.in_features if head.kind in ("eagle3",) + BLOCK_KINDS else H
     teacher = torch.randn(B, T, H, generator=gen)
     lm_head = torch.randn(V, H, generator=gen) * 0.5
     has = torch.ones(B, T, dtype=torch.bool)
     has[1, -7:] = False                                     # padding: no teacher, no loss
     batch = {"input_ids": torch.randint(0, V, (B, T), generator=gen), "position_ids": torch.arange(T).expand(B, T),
-             "aux": torch.randn(B, T, width, generator=gen) if head.kind == "eagle3" else teacher,
+             "aux": torch.randn(B, T, width, generator=gen) if head.kind in ("eagle3",) + BLOCK_KINDS else teacher,
              "teacher": teacher, "has_teacher": has}
     d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
     return teacher_targets(batch, lm_head, d2t, t2d, budget=1 if streamed else None)
@@ -80,12 +83,13 @@ def _batch(head, T=40, B=2, streamed=False):
 
 def _loss_and_grads(head, batch):
     head.zero_grad()
+    torch.manual_seed(4)  # the block drafters' random anchors and chains: the same in both runs
     loss, metrics = head.loss(batch)
     loss.backward()
     return loss.detach(), metrics, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle2", "mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2", "mtp", "medusa", *BLOCK_KINDS])
 def test_blocked_loss_streamed_teacher_and_checkpointing_match_whole(kind, monkeypatch):
     head = _head(kind)
     head.eval()  # EAGLE-2's input noise off: both runs see the same features

@@ -139,7 +139,8 @@ TEACHER_BUDGET = 2 ** 28  # teacher probabilities (batch x positions x draft voc
 
 
 class StreamedTeacher:
-    """The teacher's distribution over the draft vocabulary, computed per slice `[:, lo:hi]` from the
+    """The teacher's distribution over the draft vocabulary, computed per slice `[:, lo:hi]` (or at the
+    positions `[batch_idx, rows]` of two index tensors, as the block drafters' anchors read it) from the
     target's hidden states and lm_head (fp32), for samples too long to hold [T, V] whole."""
 
     def __init__(self, teacher_BTH, has_BT, lm_head_VH, draft_to_target):
@@ -151,10 +152,13 @@ class StreamedTeacher:
     @torch.no_grad()
     def __getitem__(self, key):
         rows, cols = key
-        assert rows == slice(None), "a streamed teacher is sliced by position only"
-        has = self.has[:, cols]
+        if torch.is_tensor(rows) and torch.is_tensor(cols):
+            has, teacher = self.has[rows, cols], self.teacher[rows, cols]
+        else:
+            assert rows == slice(None), "a streamed teacher is sliced by position, or read at [batch_idx, rows]"
+            has, teacher = self.has[:, cols], self.teacher[:, cols]
         probs = torch.zeros(*has.shape, self.shape[-1], device=self.teacher.device)
-        probs[has] = torch.softmax(self.teacher[:, cols][has].float() @ self.weight_VH.T, dim=-1)
+        probs[has] = torch.softmax(teacher[has].float() @ self.weight_VH.T, dim=-1)
         return probs
 
 

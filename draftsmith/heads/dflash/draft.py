@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager
+from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager, padded_commits
 from draftsmith.heads.tree import Tree, marginal_tree
 
 
@@ -30,15 +30,25 @@ class DFlashDrafter(BatchOfOne):
 
     @torch.no_grad()
     def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """Context K/V for each row's newly committed positions (the features; the tokens are not read)."""
-        for r, feats in zip(rows, features):
-            n, T = self.lengths[r], len(feats)
-            if n + T > self.max_len:
-                raise ValueError(f"DFlash context of {n + T} positions exceeds the drafter's max_len={self.max_len}")
-            positions = torch.arange(n, n + T, device=self.device)[None]
-            for layer, (k, v) in enumerate(self.head.context_kv(self.head.context(feats[None]), positions)):
-                self.k[layer, r, :, n:n + T], self.v[layer, r, :, n:n + T] = k[0], v[0]
-            self.lengths[r] = n + T
+        """Context K/V for the rows' newly committed positions (the features; the tokens are not read), every row
+        in one forward: the new positions padded to the longest, only each row's own written to its cache."""
+        _, feats_BTK, counts = padded_commits(rows, tokens, features, self.batch_size)
+        T = feats_BTK.shape[1]
+        if T == 0:
+            return
+        for r in rows:
+            if self.lengths[r] + counts[r] > self.max_len:
+                raise ValueError(f"DFlash context of {self.lengths[r] + counts[r]} positions exceeds the drafter's "
+                                 f"max_len={self.max_len}")
+        starts = torch.tensor(self.lengths, device=self.device)
+        positions = starts[:, None] + torch.arange(T, device=self.device)
+        new = torch.arange(T, device=self.device)[None, :] < torch.tensor(counts, device=self.device)[:, None]
+        row_idx, pos_idx = torch.nonzero(new, as_tuple=True)
+        slots = positions[row_idx, pos_idx]
+        for layer, (k, v) in enumerate(self.head.context_kv(self.head.context(feats_BTK.to(self.device)), positions)):
+            self.k[layer][row_idx, :, slots] = k.transpose(1, 2)[row_idx, pos_idx]
+            self.v[layer][row_idx, :, slots] = v.transpose(1, 2)[row_idx, pos_idx]
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:

@@ -299,11 +299,11 @@ def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
     product of their tokens' marginals) among every path over each depth's top-k, found here by enumeration."""
     import itertools
     import math
-    from draftsmith.heads.tree import ancestor_mask, marginal_tree
+    from draftsmith.heads.tree import ancestor_mask, marginal_trees
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=gen) * 2
     probs = torch.softmax(logits, -1)
-    tree = marginal_tree(torch.tensor(7), logits, top_k=3, num_nodes=12)
+    tree = marginal_trees(torch.tensor([7]), logits[None], top_k=3, num_nodes=12)[0]
     top = probs.topk(3, dim=-1)
     paths = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
     score = {p: math.prod(float(top.values[i, r]) for i, r in enumerate(p)) for p in paths}
@@ -317,5 +317,5 @@ def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
         kept.add(tuple(reversed(path)))
     assert kept == {tuple(int(top.indices[i, r]) for i, r in enumerate(p)) for p in best}
     assert int(tree.tokens_N[0]) == 7 and torch.equal(tree.mask_NN, ancestor_mask(tree.parent_N, tree.depth_N))
-    chain = marginal_tree(torch.tensor(7), logits, top_k=1, num_nodes=4)
+    chain = marginal_trees(torch.tensor([7]), logits[None], top_k=1, num_nodes=4)[0]
     assert chain.tokens_N.tolist() == [7] + logits[:3].argmax(-1).tolist()

@@ -144,14 +144,16 @@ def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
     return Tree(torch.cat([root.view(1), tokens]), parent, depth, torch.ones(n, n, dtype=torch.bool, device=root.device).tril())
 
 
-def marginal_tree(root: torch.Tensor, logits_DV: torch.Tensor, top_k: int, num_nodes: int, to_target=None) -> Tree:
-    """A parallel drafter's tree (DDTree, for DFlash and P-EAGLE): `logits_DV[d]` is depth d+1's distribution,
-    drafted in one forward without seeing the tokens before it, so a path's probability is the product of its
-    tokens' marginals. The best-first tree on those products (`tree_from_accuracies`, each depth's `top_k`
-    most likely tokens as ranks) of `num_nodes` nodes; `top_k` 1 is the chain of argmaxes. `to_target` maps
-    draft-vocabulary ids to the target's."""
-    probs, tokens = torch.softmax(logits_DV.float(), dim=-1).topk(max(1, top_k), dim=-1)
-    tokens = to_target(tokens) if to_target is not None else tokens
+def marginal_trees(roots_B: torch.Tensor, logits_BDV: torch.Tensor, top_k: int, num_nodes: int, to_target=None) -> list[Tree]:
+    """A parallel drafter's trees (DDTree, for DFlash and P-EAGLE), one per row: `logits_BDV[b, d]` is depth d+1's
+    distribution, drafted in one forward without seeing the tokens before it, so a path's probability is the product
+    of its tokens' marginals. The best-first tree on those products (`tree_from_accuracies`, each depth's `top_k` most
+    likely tokens as ranks) of `num_nodes` nodes; `top_k` 1 is the chain of argmaxes (one argmax for every row).
+    `to_target` maps draft-vocabulary ids to the target's."""
     if top_k <= 1:
-        return chain_tree(root, tokens[:num_nodes - 1, 0])
-    return static_tree(root, tree_from_accuracies(probs.tolist(), num_nodes), tokens)
+        tokens = logits_BDV[:, :num_nodes - 1].argmax(-1)
+        tokens = to_target(tokens) if to_target is not None else tokens
+        return [chain_tree(root, row) for root, row in zip(roots_B, tokens)]
+    probs, tokens = torch.softmax(logits_BDV.float(), dim=-1).topk(top_k, dim=-1)
+    tokens = to_target(tokens) if to_target is not None else tokens
+    return [static_tree(root, tree_from_accuracies(p.tolist(), num_nodes), t) for root, p, t in zip(roots_B, probs, tokens)]

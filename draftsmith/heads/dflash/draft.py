@@ -4,13 +4,13 @@ Each row keeps every layer's context K/V for its committed positions (computed o
 for them arrive in `extend_rows`); the block's own K/V are thrown away after the round. The block's slots 1..d
 (d = min(validate.depth, B - 1)) give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
 verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
-over the slots' marginals (`heads/tree.marginal_tree`)."""
+over the slots' marginals (`heads/tree.marginal_trees`)."""
 from __future__ import annotations
 
 import torch
 
 from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager, padded_commits
-from draftsmith.heads.tree import Tree, marginal_tree
+from draftsmith.heads.tree import Tree, marginal_trees
 
 
 class DFlashDrafter(BatchOfOne):
@@ -53,7 +53,7 @@ class DFlashDrafter(BatchOfOne):
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
         logits = self.block_logits(roots_B)[:, :self.depth]
-        return [marginal_tree(root, logits[b], self.tree_cfg.top_k, self.tree_cfg.num_nodes) for b, root in enumerate(roots_B)]
+        return marginal_trees(roots_B, logits, self.tree_cfg.top_k, self.tree_cfg.num_nodes)
 
     @torch.no_grad()
     def block_logits(self, roots_B: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,13 @@ row's scratch space, overwritten next round). A query at position p sees every c
 context for committed rows, the context and the earlier placeholders for slot d. The last committed row gives
 draft token 1, slot d token d + 1; `draft_trees` returns that chain (argmax drafts: deterministic, which the
 runtime's verification keeps lossless under sampling too), or with `validate.top_k` > 1 a DDTree of
-`validate.num_nodes` nodes over the slots' marginals (`heads/tree.marginal_tree`)."""
+`validate.num_nodes` nodes over the slots' marginals (`heads/tree.marginal_trees`)."""
 from __future__ import annotations
 
 import torch
 
 from draftsmith.heads.drafting import BatchOfOne, TreeConfig, attend_with_mask, eager, padded_commits
-from draftsmith.heads.tree import Tree, marginal_tree
+from draftsmith.heads.tree import Tree, marginal_trees
 
 
 class PEagleDrafter(BatchOfOne):
@@ -77,5 +77,5 @@ class PEagleDrafter(BatchOfOne):
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
-        return [marginal_tree(root, self.drafts[b], self.tree_cfg.top_k, self.tree_cfg.num_nodes, self.head.to_target_ids)
-                for b, root in enumerate(roots_B)]
+        return marginal_trees(roots_B, self.drafts[:len(roots_B)], self.tree_cfg.top_k, self.tree_cfg.num_nodes,
+                              self.head.to_target_ids)

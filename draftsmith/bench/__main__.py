@@ -138,8 +138,15 @@ def _shortfalls(r: dict) -> list[str]:
             out.append(f"- DFlash at B = 1: {ratio:.2f}x EAGLE-3's speedup in validation (goal 1.3x); see the parallel "
                        "drafting section for the batched sweep and the second target.")
     if "dflash-b8" in econ and (econ["dflash-b8"]["crossover_batch_size"] or 10**9) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
-        out.append(f"- DFlash's crossover batch size: {econ['dflash-b8']['crossover_batch_size']} against EAGLE-3's "
-                   f"{econ['eagle3-k7']['crossover_batch_size'] or 'none within the sweep'} (goal: higher).")
+        d, e = econ["dflash-b8"], econ["eagle3-k7"]
+        if d["crossover_batch_size"] is None:  # neither crosses over: the sweep cannot tell which would later
+            last = list(d["speedup_by_batch_size"])[-1]
+            out.append(f"- DFlash's crossover batch size: neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; "
+                       f"at B = {last} {d['speedup_by_batch_size'][last]:.2f}x against {e['speedup_by_batch_size'][last]:.2f}x), "
+                       "so a higher crossover is not shown (goal: higher).")
+        else:
+            out.append(f"- DFlash's crossover batch size: {d['crossover_batch_size']} against EAGLE-3's "
+                       f"{e['crossover_batch_size'] or 'none within the sweep'} (goal: higher).")
     long_points = ((r.get("long_context") or {}).get("points") or {})
     best = [p for p in long_points.values() if (p.get("32768") or {}).get("fits")]
     if long_points and not best:

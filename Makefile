@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/demo/stdlib-code-eagle3.yaml
 
-.PHONY: setup demo test test-parallel test-fast bench gpu-check clean
+.PHONY: setup demo test test-long test-parallel test-fast bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -21,7 +21,10 @@ demo: $(STAMP)
 
 # two tiers, both run by CI (.ci/run): everything but the multi-process sharded-target tests, then those
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=900 -m "not parallel" tests
+	$(BIN)/python -m pytest -q --timeout=900 -m "not parallel and not long" tests
+
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -q --timeout=900 -m "long and not parallel" tests
 
 test-parallel: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=900 -m parallel tests

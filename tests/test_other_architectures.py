@@ -9,6 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from conftest import micro_recipe
 from draftsmith.stages import run_all
 
+# whole pipelines on every architecture: `make test-long` runs them, CI runs every tier
+pytestmark = pytest.mark.long
+
 
 def _save_target(path, arch: str, tokenizer_dir, **extra):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.heads.tree import Tree, chain_tree
 from draftsmith.runtime.generate import _finish, _sync
-from draftsmith.runtime.target import TargetRunner
+from draftsmith.runtime.target import TargetRunner, layer_states
 from draftsmith.runtime.verify import SamplingConfig, sample_token, verify
 
 
@@ -107,7 +107,7 @@ class BatchRunner(TargetRunner):
         tokens = torch.zeros(self.batch_size, max(lengths), dtype=torch.long, device=self.device)
         for b, chain in enumerate(chains):
             tokens[b, :len(chain)] = chain
-        kept, outputs, start = {0: self._row_states(self._rows(lengths, 0))}, [], 0
+        kept, outputs, start = {0: self._all_states()}, [], 0
         for end in sorted(set(lengths) - {0}):
             n = end - start
             causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().expand(self.batch_size, n, n)
@@ -117,25 +117,14 @@ class BatchRunner(TargetRunner):
             outputs.append((logits, features))
             arange = torch.arange(n, device=self.device)
             self._commit_kv([arange if length >= end else arange[:0] for length in lengths])
-            kept[end] = self._row_states(self._rows(lengths, end))
+            kept[end] = self._all_states()
             start = end
-        for length, states in kept.items():
-            self._put_row_states(states, self._rows(lengths, length))
+        for i, layer in self.recurrent.items():
+            self._select_rows(layer, {length: states[i] for length, states in kept.items()}, lengths)
         return torch.cat([o[0] for o in outputs], 1), torch.cat([o[1] for o in outputs], 1)
 
-    def _rows(self, lengths: list[int], length: int) -> torch.Tensor:
-        return torch.tensor([b for b, n in enumerate(lengths) if n == length], dtype=torch.long, device=self.device)
-
-    def _row_states(self, rows: torch.Tensor) -> list:
-        """Copies of the conv and recurrent states of `rows` (batch dimension 0), per recurrent layer."""
-        return [[{i: s.index_select(0, rows) for i, s in store.items() if s is not None}
-                 for store in (layer.conv_states, layer.recurrent_states)] for layer in self.recurrent.values()]
-
-    def _put_row_states(self, states: list, rows: torch.Tensor) -> None:
-        for layer, saved in zip(self.recurrent.values(), states):
-            for store, part in zip((layer.conv_states, layer.recurrent_states), saved):
-                for i, s in part.items():
-                    store[i].index_copy_(0, rows, s)
+    def _all_states(self) -> dict:
+        return {i: layer_states(layer) for i, layer in self.recurrent.items()}
 
 
 @dataclass

@@ -51,7 +51,7 @@ def recurrent_mixers(decoder, cache_types: list[str]) -> dict[int, torch.nn.Modu
     return mixers
 
 
-def _states(layer) -> tuple[dict, dict]:
+def layer_states(layer) -> tuple[dict, dict]:
     return tuple({i: s.clone() for i, s in store.items() if s is not None}
                  for store in (layer.conv_states, layer.recurrent_states))
 
@@ -187,7 +187,7 @@ class TargetRunner:
 
     def _take_snapshot(self) -> None:
         """Every conv and recurrent state as it is before a chain runs, and whether each layer had one."""
-        self._snapshot = {i: (_states(layer), dict(layer.has_previous_state)) for i, layer in self.recurrent.items()}
+        self._snapshot = {i: (layer_states(layer), dict(layer.has_previous_state)) for i, layer in self.recurrent.items()}
         self._inputs = None
 
     @contextmanager
@@ -229,22 +229,27 @@ class TargetRunner:
         if partial and inputs is None:
             raise RuntimeError(f"positions {partial} of {N} kept from a forward that recorded no recurrent inputs")
         for i, layer in self.recurrent.items():
-            (before, previous), after = snapshot[i], _states(layer)
+            (before, previous), after = snapshot[i], layer_states(layer)
             at = {0: before, N: after}
             if partial:
                 self._assign(layer, before)
                 start = 0
                 for end in partial:
                     self._run_mixer(i, start, end)
-                    at[end], start = _states(layer), end
-            for store, k in ((layer.conv_states, 0), (layer.recurrent_states, 1)):
-                for idx, state in store.items():
-                    if state is not None:
-                        for b, a in enumerate(accepted_B):
-                            state[b].copy_(at[a][k][idx][b])
+                    at[end], start = layer_states(layer), end
+            self._select_rows(layer, at, accepted_B)
             if not any(accepted_B):
                 layer.has_previous_state.update(previous)
         self._snapshot = self._inputs = None
+
+    @staticmethod
+    def _select_rows(layer, at: dict, lengths_B: list[int]) -> None:
+        """Row b of every state of `layer` taken from at[lengths_B[b]] (a `_states` copy per length)."""
+        for store, k in ((layer.conv_states, 0), (layer.recurrent_states, 1)):
+            for idx, state in store.items():
+                if state is not None:
+                    for b, length in enumerate(lengths_B):
+                        state[b].copy_(at[length][k][idx][b])
 
     @staticmethod
     def _assign(layer, states: tuple[dict, dict]) -> None:

@@ -149,3 +149,22 @@ def test_partial_loading_converts_the_kept_layers_only(tmp_path, micro_target, a
     assert set(partial) == {k for k in whole if not any(f"layers.{i}." in k for i in range(2, 5))}
     for name, tensor in partial.items():
         assert torch.equal(tensor, whole[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_online_and_joint_training_on_recurrent_targets(tmp_path, micro_target, arch):
+    """Online training (the target runs inside the trainer) and joint training (Medusa-2: LoRA on the target) on
+    targets with linear-attention and state-space layers: each validates exactly against `generate`."""
+    extra, overrides = MODERN[arch]
+    target = _save_target(tmp_path / arch, arch, micro_target, **extra)
+    common = ["target.embedded=null", "data.max_conversations=24", "validate.num_prompts=2", "validate.max_new_tokens=24",
+              *overrides]
+    online = micro_recipe(tmp_path / "online", target, *common, "capture.mode=online", "train.max_steps=2")
+    joint = micro_recipe(tmp_path / "joint", target, *common, "capture.mode=online", "head.kind=medusa", "head.num_heads=3",
+                         "head.lora={rank: 4, alpha: 8, heads_only_steps: 1}", "train.max_steps=3", "validate.depth=3")
+    for recipe in (online, joint):
+        summary = run_all(recipe)
+        validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
+        assert validation["exact_match"] and validation["exact_vs_generate"], summary
+    assert "drift" in json.loads((joint.run_dir / "validate" / "validation.json").read_text())

@@ -13,7 +13,12 @@ space is capped, so a point that does not fit fails with an allocation error ins
 machine down; its memory is the peak RSS above what the head and the sample hold before the step. The
 step sets the CPU allocator as the trainer does (`train/trainer.return_freed_memory_on_cpu`). A point
 measured by a later version of the code than the rest of its table carries its own `date` and `code`,
-which the rendered table names."""
+which the rendered table names.
+
+- `sp2+ckpt`: blocked+ckpt with the sample split over 2 processes (`train.sequence_parallel: 2`, torchrun, gloo,
+  one thread each, so the two cores are shared as in the other settings); its memory is the larger of the two
+  ranks' (what each device must hold). Measured apart from the sweep (`python -m draftsmith.bench.long_context
+  --only sp2+ckpt`: hours for the one-process points are not redone) and merged into BENCHMARKS.json."""
 from __future__ import annotations
 
 import json
@@ -30,6 +35,7 @@ HEAD = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4
         "vocab_size": 32000, "draft_vocab_size": 8192, "ttt_steps": 7}
 SIZES = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 SETTINGS = {"whole": SIZES[:5], "blocked": SIZES[:5], "blocked+ckpt": SIZES[:4] + SIZES[-1:] + SIZES[4:6]}  # 32K first
+SEQUENCE_PARALLEL = {"sp2+ckpt": (2, [2048, 4096, 8192])}  # setting -> (ranks, sizes): the sample split over ranks
 MEMORY_CAP_GB = 23
 
 
@@ -55,7 +61,7 @@ def one_step(num_tokens: int, setting: str) -> dict:
                          num_key_value_heads=HEAD["num_key_value_heads"], intermediate_size=HEAD["intermediate_size"],
                          num_hidden_layers=32, max_position_embeddings=131072)
     head = Eagle3Head.from_target(config, HeadConfig(draft_vocab_size=Vd, ttt_steps=HEAD["ttt_steps"]), [2, 16, 29])
-    head.checkpoint_steps = setting == "blocked+ckpt"
+    head.checkpoint_steps = setting.endswith("+ckpt")
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.randperm(V)[:Vd]] = True
     d2t = torch.nonzero(t2d).squeeze(1) - torch.arange(Vd)
@@ -67,6 +73,10 @@ def one_step(num_tokens: int, setting: str) -> dict:
     before = _rss_gb()
     start = time.perf_counter()
     batch = teacher_targets(sample, lm_head, d2t, t2d, budget=2 ** 62 if setting == "whole" else None)
+    if setting in SEQUENCE_PARALLEL:  # every rank holds the sample and its teacher, the head's work for its shard only
+        import torch.distributed as dist
+        from draftsmith.heads.ttt import SequenceShard
+        batch["sequence_shard"] = SequenceShard.split(T, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
     loss, _ = head.loss(batch)
     loss.backward()
     seconds = time.perf_counter() - start
@@ -74,10 +84,33 @@ def one_step(num_tokens: int, setting: str) -> dict:
     return {"memory_above_model_gb": peak - before, "step_seconds": seconds, "loss": float(loss)}
 
 
+def sequence_parallel_step(num_tokens: int, setting: str) -> dict | None:
+    """One rank's step of a sequence-parallel group (under torchrun); rank 0 returns the group's point: the
+    largest memory of any rank, the slowest rank's seconds and the loss summed over the shards."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    point = one_step(num_tokens, setting)
+    worst = torch.tensor([point["memory_above_model_gb"], point["step_seconds"]], dtype=torch.float64)
+    loss = torch.tensor([point["loss"]], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(loss)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"memory_above_model_gb": float(worst[0]), "step_seconds": float(worst[1]), "loss": float(loss[0]), "ranks": world}
+
+
 def _run_point(num_tokens: int, setting: str) -> dict:
-    cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP_GB} * 2**30,) * 2); "
-    code = cap + f"from draftsmith.bench.long_context import main; main({num_tokens}, {setting!r})"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if setting in SEQUENCE_PARALLEL:  # each rank's address space capped at its share of the machine
+        ranks = SEQUENCE_PARALLEL[setting][0]
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "-m",
+                   "draftsmith.bench.long_context", "--point", str(num_tokens), setting, str(MEMORY_CAP_GB / ranks)]
+    else:
+        cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP_GB} * 2**30,) * 2); "
+        command = [sys.executable, "-c", cap + f"from draftsmith.bench.long_context import main; main({num_tokens}, {setting!r})"]
+    out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["?"])[-1]
         return {"fits": False, "error": tail[:200]}
@@ -87,7 +120,10 @@ def _run_point(num_tokens: int, setting: str) -> dict:
 PARTIAL = Path("BENCHMARKS.long_context.partial.json")  # points measured so far: a killed sweep resumes
 
 
-def bench_long_context(settings: dict = SETTINGS, partial: Path = PARTIAL) -> dict:
+ALL_SETTINGS = {**SETTINGS, **{name: sizes for name, (_, sizes) in SEQUENCE_PARALLEL.items()}}
+
+
+def bench_long_context(settings: dict = ALL_SETTINGS, partial: Path = PARTIAL) -> dict:
     """Every (setting, tokens) point in a fresh process, up to the first that does not fit; each point is
     saved as it is measured, and a rerun keeps the saved points of the same head."""
     out = {"head": HEAD, "threads": torch.get_num_threads(), "memory_cap_gb": MEMORY_CAP_GB, "points": {}}
@@ -124,7 +160,10 @@ def render_long_context(r: dict) -> list[str]:
              f"heads ({h['num_key_value_heads']} KV), MLP {h['intermediate_size']}, draft vocabulary {h['draft_vocab_size']} of "
              f"{h['vocab_size']}; the step includes the teacher's distribution, forward and backward; {lc['threads']} CPU threads, "
              f"address space capped at {lc['memory_cap_gb']} GB. *whole* is round 3's algorithm; *blocked* today's default; "
-             "*blocked+ckpt* adds `train.activation_checkpointing: true`. Memory above the model (GB) / step seconds:", "",
+             "*blocked+ckpt* adds `train.activation_checkpointing: true`" + (
+                 "; *sp2+ckpt* is blocked+ckpt with the sample split over 2 processes (`train.sequence_parallel: 2`, "
+                 "gloo, one thread each, each capped at half the address space), its memory the larger rank's"
+                 if any(s in SEQUENCE_PARALLEL for s in settings) else "") + ". Memory above the model (GB) / step seconds:", "",
              "| tokens | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
     for T in SIZES:
         cells = []
@@ -154,9 +193,17 @@ def _goals(points: dict) -> list[str]:
         lines.append(f"; step time at 2048 tokens: blocked {blocked['2048']['step_seconds']:.0f} s against whole "
                      f"{whole['2048']['step_seconds']:.0f} s (these runs shared the 2 cores with other jobs: times are "
                      "indicative, memory is not affected)")
-    lines.append("; a 2-rank sequence-parallel step at 65536 tokens: not measured (hours on 2 CPU cores; its exactness "
-                 "is tested at 2 and 4 ranks).")
-    return ["".join(lines), ""]
+    lines.append("; a 2-rank sequence-parallel step at 65536 tokens: not measured (two ranks of 32768 tokens each need "
+                 "about twice the one-process 32768 point's memory, over this machine's 24 GB, and hours on 2 CPU cores; "
+                 "its exactness is tested at 2 and 4 ranks)")
+    sp = {int(T): p for T, p in points.get("sp2+ckpt", {}).items() if p.get("fits")}
+    one = points.get("blocked+ckpt", {})
+    halves = [(T, p, one[str(T // 2)]) for T, p in sorted(sp.items()) if (one.get(str(T // 2)) or {}).get("fits")]
+    if halves:
+        lines.append(". Measured at 2 ranks, each rank holds about what one process holding half the sample holds: "
+                     + ", ".join(f"{T} tokens {p['memory_above_model_gb']:.2f} GB per rank against {half['memory_above_model_gb']:.2f} "
+                                 f"GB for one process at {T // 2}" for T, p, half in halves))
+    return ["".join(lines) + ".", ""]
 
 
 def main(num_tokens: int, setting: str) -> None:
@@ -164,5 +211,36 @@ def main(num_tokens: int, setting: str) -> None:
     print(json.dumps(one_step(num_tokens, setting)), flush=True)
 
 
+def measure_only(names: list[str], results_path: Path = Path("BENCHMARKS.json")) -> dict:
+    """Measure the named settings alone and merge their points, dated and with the commit they ran, into the
+    section kept in `results_path` (the other settings' points are kept as they are)."""
+    unknown = sorted(set(names) - set(ALL_SETTINGS))
+    if unknown:
+        raise SystemExit(f"--only {unknown}: unknown settings (known: {sorted(ALL_SETTINGS)})")
+    results = json.loads(results_path.read_text())
+    section = results.get("long_context") or {}
+    if section.get("head") != HEAD:
+        raise SystemExit(f"{results_path}: its long_context section measured another head; run the whole section")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    measured = bench_long_context({name: ALL_SETTINGS[name] for name in names}, Path(f"{PARTIAL}.only"))
+    for name, points in measured["points"].items():
+        section["points"][name] = {T: {**p, "date": time.strftime("%Y-%m-%d"), "code": f"commit {commit}"}
+                                   for T, p in points.items()}
+    results["long_context"] = section
+    results_path.write_text(json.dumps(results, indent=2, default=str))
+    return section
+
+
 if __name__ == "__main__":
-    print(json.dumps(bench_long_context()), flush=True)
+    if sys.argv[1:2] == ["--point"]:  # one rank of a sequence-parallel point (launched by _run_point)
+        T, setting, cap_gb = int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+        resource.setrlimit(resource.RLIMIT_AS, (int(cap_gb * 2 ** 30),) * 2)
+        point = sequence_parallel_step(T, setting)
+        if point is not None:
+            print(json.dumps(point), flush=True)
+    elif sys.argv[1:2] == ["--only"]:
+        measure_only(sys.argv[2].split(","))
+        from draftsmith.bench.__main__ import render
+        Path("BENCHMARKS.md").write_text(render(json.loads(Path("BENCHMARKS.json").read_text())))
+    else:
+        print(json.dumps(bench_long_context()), flush=True)

@@ -62,7 +62,7 @@ def bench_drafters_qwen3(recipe_path: str, overrides: list[str], seconds: float,
     return {name: {**row, "target": f"qwen3 (hidden 128, 8 layers) trained {target_steps} steps"} for name, row in out.items()}
 
 
-ECONOMICS = ["economics.batch_sizes=[1,4,16,64]", "economics.num_speculative_tokens=[3,7]", "economics.baselines=[]",
+ECONOMICS = ["economics.batch_sizes=[1,4,16,64,256,1024]", "economics.num_speculative_tokens=[3,7]", "economics.baselines=[]",
              "economics.max_new_tokens=48", "economics.draft_model_embedded=null"]
 
 
@@ -289,7 +289,9 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
         sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
         lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, greedy, 16 prompts repeated to fill B rows, 48 "
                   "new tokens, K 3 or 7, the better one per B; speedup over plain batched decoding at the same B; "
-                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}):", "",
+                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}; each cell is one run, and on this shared "
+                  "machine, whose speed varied by up to 1.5x within a session, the same cell has differed by as much between "
+                  "runs of the same head):", "",
                   "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
                   "|---|" + "---|" * len(sizes) + "---|"]
         for name, h in econ.items():

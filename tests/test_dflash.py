@@ -1,6 +1,7 @@
 """DFlash: the training mask against its definition, training against drafting (the same logits for the same
 anchor), overfitting a batch, greedy exactness and sampled losslessness in the runtime, the z-lab and speculators
-exports as the engines' loaders read them, import of a z-lab checkpoint, and the whole pipeline."""
+exports as the engines' loaders read them, import of a z-lab checkpoint, transformers' own DFlash decoding drafting
+what our drafter drafts, and the whole pipeline."""
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import LlamaConfig
 from conftest import feature_batch, micro_recipe, tiny_llama, two_token_total_variation
 from draftsmith.heads.dflash import loss as dloss
 from draftsmith.heads.dflash.draft import DFlashDrafter
-from draftsmith.heads.dflash.formats import import_layout, to_speculators, to_vllm
+from draftsmith.heads.dflash.formats import import_layout, to_speculators, to_transformers, to_vllm
 from draftsmith.heads.dflash.model import DFlashHead, default_layer_ids
 from draftsmith.heads.drafting import TreeConfig
 from draftsmith.heads.loading import load_head
@@ -319,3 +320,59 @@ def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
     assert int(tree.tokens_N[0]) == 7 and torch.equal(tree.mask_NN, ancestor_mask(tree.parent_N, tree.depth_N))
     chain = marginal_trees(torch.tensor([7]), logits[None], top_k=1, num_nodes=4)[0]
     assert chain.tokens_N.tolist() == [7] + logits[:3].argmax(-1).tolist()
+
+
+def _fit_to_target_continuation(head, target, prompt, steps=100):
+    """The head trained on the target's own greedy continuation of `prompt`, so that it drafts partly right there."""
+    seq = torch.cat([prompt, torch.tensor(generate_reference(target, prompt, 40, set())[0])])[None]
+    with torch.no_grad():
+        out = target(seq, output_hidden_states=True)
+    probs = torch.softmax(out.logits.float(), -1)
+    T = seq.shape[1]
+    batch = {"input_ids": seq, "position_ids": torch.arange(T)[None], "aux": torch.cat([out.hidden_states[k] for k in IDS], -1),
+             "target_probs": probs, "target_valid": torch.ones(1, T, dtype=torch.bool), "target_argmax": probs.argmax(-1)}
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        loss, _ = head(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+def test_transformers_dflash_generation_drafts_what_our_drafter_drafts(target, tmp_path):
+    """The `transformers` export loads with `AutoModel` as transformers' own DFlash assistant, and
+    `generate(assistant_model=..., speculation_type="dflash")` drafts, round by round, the block logits our drafter
+    drafts from the same context: the same number of rounds, partly accepted ones among them, the same output."""
+    from safetensors.torch import save_file
+    from transformers import AutoModel
+    prompt = torch.randint(1, V, (9,), generator=torch.Generator().manual_seed(7))
+    head = _fit_to_target_continuation(_head(target, block=5, anchors=16), target, prompt)
+    config, tensors = to_transformers(head.trainable_state(), head.config, "fp32")
+    out = tmp_path / "transformers"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "model.safetensors"))
+    assistant = AutoModel.from_pretrained(out).eval()
+    assert type(assistant).__name__ == "MuseGlimmerAssistantModel"
+    theirs, ours = [], []
+    assistant.register_forward_hook(lambda _m, _a, output: theirs.append(target.lm_head(output.last_hidden_state[:, 1:])[0]))
+    runner = TargetRunner(target, 128, IDS)
+    drafter = DFlashDrafter(head, 128, TreeConfig(4, 1, 5))
+    block_logits = drafter.block_logits
+    drafter.block_logits = lambda roots: ours.append(block_logits(roots)[0]) or ours[-1][None]
+    new = 56
+    spec = speculative_generate(runner, drafter, prompt, new, SamplingConfig(), set())
+    with torch.no_grad():
+        hf = target.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=new,
+                             assistant_model=assistant, speculation_type="dflash", do_sample=False, pad_token_id=0)
+    assert hf[0, len(prompt):].tolist() == spec.tokens == generate_reference(target, prompt, new, set())[0]
+    assert {0, 4} <= set(spec.accept_lengths) and any(0 < a < 4 for a in spec.accept_lengths)  # whole, in part, none
+    assert len(theirs) >= len(ours) - 1 and len(ours) > 3
+    for round_, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=f"round {round_}")
+    # and the layout reads back into our head, drafting as the original
+    loaded, meta = load_head(out, target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    assert meta["source_format"] == "transformers" and loaded.config["draftsmith"]["layer_ids"] == IDS
+    again = speculative_generate(runner, DFlashDrafter(loaded, 128, TreeConfig(4, 1, 5)), prompt, new, SamplingConfig(), set())
+    assert again.accept_lengths == spec.accept_lengths

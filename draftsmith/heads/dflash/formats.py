@@ -8,7 +8,13 @@
 - `speculators`: `speculators_model_type: "dflash"`, `DFlashSpeculator`, `transformer_layer_config` (a Qwen3
   config), `aux_hidden_state_layer_ids` (ours), `block_size`, `mask_token_id`, `speculators_config`, and the
   target's `embed_tokens.weight` and `lm_head.weight` with identity `d2t`/`t2d` (read from the target directory).
-Import reads the z-lab layout (and speculators') back into our module."""
+- `transformers`: transformers' own DFlash assistant (`MuseGlimmerAssistantModel`, model_type
+  `muse_glimmer_assistant`), which `generate(..., assistant_model=..., speculation_type="dflash")` drafts with:
+  `target_layer_ids` (z-lab's output-of-layer ids), `block_size` and `mask_token_id` at the top level, the context
+  projection under `encoder.` (`encoder.fc`, `encoder.output_norm_enc`: our `fc`, `hidden_norm`), the layers and
+  `norm` as z-lab names them. Its sliding layers attend both ways inside the block (ours causally, as SpecForge and
+  vLLM do) and its `fc` reads features of the draft's own width: heads that differ are not written in it.
+Import reads the z-lab layout (and speculators' and transformers') back into our module."""
 from __future__ import annotations
 
 import json
@@ -17,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.heads.dflash.model import draft_config_from_target
-from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, card, cast, dtype_keys, read_weights
+from draftsmith.heads.hf_layout import EXPORT_MARK, HF_LAYER_KEYS, NotServable, card, cast, dtype_keys, read_weights
 
 TITLE = "DFlash block drafter"
 REQUIRED = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -68,13 +74,44 @@ def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "") ->
             EXPORT_MARK: {"engine": "speculators", "layer_convention": "input-to-layer"}}, cast(out, dtype)
 
 
-ADAPTERS = {"vllm": to_vllm, "sglang": to_sglang, "speculators": to_speculators}
+TRANSFORMERS_TYPE = "muse_glimmer_assistant"
+TRANSFORMERS_NAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+
+
+def to_transformers(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    if "sliding_attention" in config["layer_types"]:
+        raise NotServable("transformers' DFlash assistant attends both ways inside the block in its sliding layers, this "
+                          "head's sliding layers causally (SpecForge's and vLLM's convention): use vllm, sglang or speculators")
+    if config["target_hidden_size"] != config["hidden_size"]:
+        raise NotServable(f"transformers' DFlash assistant reads features of its own width ({config['hidden_size']}), "
+                          f"this head the target's ({config['target_hidden_size']})")
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_hidden_layers", "rms_norm_eps", "hidden_act", "max_position_embeddings")
+    out = {key: config[key] for key in keys}
+    out.update(architectures=["MuseGlimmerAssistantModel"], model_type=TRANSFORMERS_TYPE, layer_types=config["layer_types"],
+               rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+               block_size=config["block_size"], mask_token_id=config["dflash_config"]["mask_token_id"],
+               target_layer_ids=list(config["dflash_config"]["target_layer_ids"]), bos_token_id=None, eos_token_id=None,
+               pad_token_id=None, **dtype_keys(dtype),
+               **{EXPORT_MARK: {"engine": "transformers", "layer_convention": "z-lab (output-of-layer)",
+                                "draftsmith_layer_ids": config["draftsmith"]["layer_ids"],
+                                "mask_token_source": config["draftsmith"].get("mask_token_source")}})
+    return out, cast({TRANSFORMERS_NAMES.get(k, k): v for k, v in tensors.items()}, dtype)
+
+
+ADAPTERS = {"vllm": to_vllm, "sglang": to_sglang, "speculators": to_speculators, "transformers": to_transformers}
 
 
 def serve_command(engine: str, target: str, out: str, depth: int = 15) -> str:
     if engine == "sglang":
         return (f"python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH "
                 f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {depth + 1}")
+    if engine == "transformers":
+        return (f"python -c \"from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer; "
+                f"tok = AutoTokenizer.from_pretrained('{target}'); model = AutoModelForCausalLM.from_pretrained('{target}'); "
+                f"assistant = AutoModel.from_pretrained('{out}'); ids = tok('Hello', return_tensors='pt').input_ids; "
+                f"print(tok.decode(model.generate(ids, assistant_model=assistant, speculation_type='dflash', "
+                f"do_sample=False, max_new_tokens=64)[0]))\"")
     if engine == "vllm":
         return (f"vllm serve {target} --speculative-config "
                 f"'{{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": {depth}}}'")
@@ -94,13 +131,18 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
 def recognizes(config: dict) -> bool:
     if "speculators_model_type" in config:
         return config["speculators_model_type"] == "dflash"
-    return "DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config
+    return ("DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config
+            or config.get("model_type") == TRANSFORMERS_TYPE)
 
 
 def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dict]:
     """(our draft config, our tensor names, metadata) from a z-lab or speculators DFlash directory."""
+    transformers_layout = raw.get("model_type") == TRANSFORMERS_TYPE
     if "speculators_model_type" in raw:
         layer, ids = raw["transformer_layer_config"], list(raw["aux_hidden_state_layer_ids"])
+        block, mask = raw["block_size"], raw["mask_token_id"]
+    elif transformers_layout:
+        layer, ids = {**raw, "rope_theta": (raw.get("rope_parameters") or {}).get("rope_theta")}, [k + 1 for k in raw["target_layer_ids"]]
         block, mask = raw["block_size"], raw["mask_token_id"]
     else:
         layer, dflash = raw, raw.get("dflash_config") or {}
@@ -115,8 +157,9 @@ def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dic
         if layer.get(key) is not None:
             config[key] = layer[key]
     config["target_hidden_size"] = raw.get("target_hidden_size") or config["target_hidden_size"]
-    tensors = {k.removeprefix("model."): v for k, v in read_weights(path).items()
+    ours = {v: k for k, v in TRANSFORMERS_NAMES.items()}
+    tensors = {ours.get(k.removeprefix("model."), k.removeprefix("model.")): v for k, v in read_weights(path).items()
                if not k.removeprefix("model.").startswith(("embed_tokens", "lm_head", "d2t", "t2d"))}
-    meta = {"kind": "dflash", "layer_ids": ids, "draft_config": config, "target_id": None,
-            "source_format": "speculators" if "speculators_model_type" in raw else "z-lab"}
+    source = "speculators" if "speculators_model_type" in raw else "transformers" if transformers_layout else "z-lab"
+    meta = {"kind": "dflash", "layer_ids": ids, "draft_config": config, "target_id": None, "source_format": source}
     return config, tensors, meta

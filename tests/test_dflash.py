@@ -184,11 +184,12 @@ def test_dflash_pipeline_trains_validates_and_exports(tmp_path, micro_target):
                           "validate.top_k=1", "validate.num_nodes=4")
     summary = run_all(recipe)
     assert "greedy exact: True" in summary
-    for engine in ("vllm", "sglang", "speculators"):
+    for engine in ("vllm", "sglang", "speculators", "transformers"):
         config = json.loads((recipe.run_dir / "export" / engine / "config.json").read_text())
         assert config.get("block_size") == 4
     card = (recipe.run_dir / "export" / "vllm" / "README.md").read_text()
     assert '"method": "dflash"' in card
+    assert "speculation_type='dflash'" in (recipe.run_dir / "export" / "transformers" / "README.md").read_text()
 
 
 def test_batched_block_drafting_is_exact_per_row(target):
@@ -290,6 +291,8 @@ def test_sliding_layers_train_as_they_draft_exactly_and_export(target, tmp_path)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     loaded, _ = load_head(out, target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     assert loaded.layer_types() == head.layer_types() and loaded.config["sliding_window"] == 3
+    with pytest.raises(ValueError, match="both ways inside the block"):  # transformers' assistant slides bidirectionally
+        to_transformers(head.trainable_state(), head.config, "fp32")
     with pytest.raises(ValueError, match="head.layer_types"):
         DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=4, num_layers=2,
                                                          layer_types=["sliding_attention"]), IDS)

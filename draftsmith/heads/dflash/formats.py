@@ -82,6 +82,10 @@ def to_transformers(tensors: dict, config: dict, dtype: str, target: str = "") -
     if "sliding_attention" in config["layer_types"]:
         raise NotServable("transformers' DFlash assistant attends both ways inside the block in its sliding layers, this "
                           "head's sliding layers causally (SpecForge's and vLLM's convention): use vllm, sglang or speculators")
+    family = config["draftsmith"].get("target_model_type") or ""
+    if family.startswith("gemma"):
+        raise NotServable(f"transformers' DFlash assistant embeds the block with the target's own embedding module, which "
+                          f"scales it on {family} targets; this head reads the unscaled embedding")
     if config["target_hidden_size"] != config["hidden_size"]:
         raise NotServable(f"transformers' DFlash assistant reads features of its own width ({config['hidden_size']}), "
                           f"this head the target's ({config['target_hidden_size']})")

@@ -405,3 +405,44 @@ def test_qwen3_next_layout_on_a_tiny_qwen3_next_target(tmp_path):
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     with torch.no_grad():
         torch.testing.assert_close(loaded.logits(loaded.step(ids, h, pos, sdpa)), head.logits(head.step(ids, h, pos, sdpa)))
+
+
+@pytest.mark.slow
+def test_transformers_mtp_generation_reads_the_nextn_full_export_and_drafts_what_we_draft(tmp_path, monkeypatch):
+    """transformers' own MTP decoding (`generate(use_mtp=True)`) on the nextn-full export: it finds the module through the
+    index the export writes and gives our output. Its one difference in rule, the embedding at position 0 kept where
+    vLLM zeroes it (and so do we), changes the drafts' logits a little (argmax the same here); with that rule set as
+    transformers' it drafts in every round the logits our drafter drafts from the same context. The target has 61
+    layers because transformers looks for DeepSeek-V3's module at model.layers.61 only."""
+    from transformers.modeling_layers import MtpModel
+    from draftsmith.runtime.export import export_head
+    model = _target(deepseek_v3(layers=61))
+    head = _head(model)
+    ckpt = _checkpoint(tmp_path, head, _save_target(tmp_path, model))
+    export_head(str(ckpt), "nextn-full", str(tmp_path / "full"), dtype="fp32", allow_unvalidated=True)
+    index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.61.eh_proj.weight"] == "model-mtp.safetensors" and not (tmp_path / "full" / "model.safetensors").exists()
+    theirs, ours = [], []
+    forward = MtpModel.forward
+
+    def recorded(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        theirs.append(out[1][0, -1].float())
+        return out
+    monkeypatch.setattr(MtpModel, "forward", recorded)
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(3))
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
+    with torch.no_grad():
+        out = full.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=20,
+                            use_mtp=True, do_sample=False, pad_token_id=0)
+    for zero_first in (True, False):
+        ours.clear()
+        head.zero_first_embedding = zero_first
+        drafter = MTPDrafter(head, 96, TreeConfig(1, 1, 2))
+        draft_tree = drafter.draft_tree
+        drafter.draft_tree = lambda root, d=drafter, f=draft_tree: ours.append(d.logits_last[0].float().clone()) or f(root)
+        spec = speculative_generate(TargetRunner(model, 96, []), drafter, prompt, 20, GREEDY, set())
+        assert out[0, len(prompt):].tolist() == spec.tokens
+        assert len(ours) > 10 and len(theirs) >= len(ours) - 1
+        gap = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+        assert (gap > 1e-3) if zero_first else (gap < 1e-5), gap

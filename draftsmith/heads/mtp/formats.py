@@ -118,10 +118,20 @@ def write_nextn_full(out: Path, tensors: dict, meta: dict, head: Path) -> None:
     config["num_nextn_predict_layers"] = meta["draft_config"]["num_nextn_predict_layers"]
     config[EXPORT_MARK] = {"engine": "nextn-full", "kind": "mtp"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    index = out / "model.safetensors.index.json"
-    if index.exists():  # a sharded target: the engines read files through the index
+    index, single = out / "model.safetensors.index.json", out / "model.safetensors"
+    if not index.exists() and single.exists():
+        # transformers reads a lone model.safetensors before any index, so the module's file would stay unseen by
+        # `generate(use_mtp=True)`: the target's weights move to a shard that an index names beside the module's
+        from safetensors import safe_open
+        shard = single.rename(out / "model-target.safetensors")
+        with safe_open(str(shard), framework="pt") as f:
+            names = list(f.keys())
+        index.write_text(json.dumps({"metadata": {"total_size": shard.stat().st_size},
+                                     "weight_map": {name: shard.name for name in names}}, indent=2) + "\n")
+    if index.exists():  # the engines and transformers read the files through the index
         data = json.loads(index.read_text())
         data["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
+        data.setdefault("metadata", {})["total_size"] = data["metadata"].get("total_size", 0) + (out / "model-mtp.safetensors").stat().st_size
         index.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -74,6 +74,8 @@ class MTPHead(DraftHead):
     def __init__(self, config: dict, ttt_steps: int = 1, beta: float = DEFAULT_BETA):
         super().__init__()
         self.config, self.ttt_steps, self.beta = config, ttt_steps, beta
+        # vLLM zeroes the embedding at sequence position 0 (SGLang alike); transformers' `generate(use_mtp=True)` does not
+        self.zero_first_embedding = True
         cfg = block_config(config)
         N, D = config["num_hidden_layers"], config["num_nextn_predict_layers"]
         self.num_modules = D
@@ -97,7 +99,9 @@ class MTPHead(DraftHead):
     def step(self, token_ids_BT, h_BTH, position_ids_BT, attend, module: int = 0):
         """One MTP step with module `module % D`: the next hidden state (before shared_head.norm)."""
         m = self.modules_[module % self.num_modules]
-        emb = self.embed_tokens(token_ids_BT).to(h_BTH.dtype) * (position_ids_BT != 0)[..., None]
+        emb = self.embed_tokens(token_ids_BT).to(h_BTH.dtype)
+        if self.zero_first_embedding:
+            emb = emb * (position_ids_BT != 0)[..., None]
         x = m.eh_proj(torch.cat([m.enorm(emb), m.hnorm(h_BTH)], dim=-1))
         cos, sin = self.rotary(x, position_ids_BT)
         return m.block(x, position_embeddings=(cos, sin), attend=attend)

@@ -74,7 +74,8 @@ class MTPHead(DraftHead):
     def __init__(self, config: dict, ttt_steps: int = 1, beta: float = DEFAULT_BETA):
         super().__init__()
         self.config, self.ttt_steps, self.beta = config, ttt_steps, beta
-        # vLLM zeroes the embedding at sequence position 0 (SGLang alike); transformers' `generate(use_mtp=True)` does not
+        # vLLM zeroes the embedding at sequence position 0; SGLang, speculators and transformers' `generate(use_mtp=True)`
+        # do not (set False to draft as they do)
         self.zero_first_embedding = True
         cfg = block_config(config)
         N, D = config["num_hidden_layers"], config["num_nextn_predict_layers"]

@@ -154,13 +154,15 @@ def test_partial_loading_converts_the_kept_layers_only(tmp_path, micro_target, a
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
 def test_online_and_joint_training_on_recurrent_targets(tmp_path, micro_target, arch):
-    """Online training (the target runs inside the trainer) and joint training (Medusa-2: LoRA on the target) on
-    targets with linear-attention and state-space layers: each validates exactly against `generate`."""
+    """Regeneration (batched, left-padded: the padding must not reach the recurrent states), online training (the
+    target runs inside the trainer) and joint training (Medusa-2: LoRA on the target) on targets with linear-attention
+    and state-space layers: each validates exactly against `generate`."""
     extra, overrides = MODERN[arch]
     target = _save_target(tmp_path / arch, arch, micro_target, **extra)
     common = ["target.embedded=null", "data.max_conversations=24", "validate.num_prompts=2", "validate.max_new_tokens=24",
               *overrides]
-    online = micro_recipe(tmp_path / "online", target, *common, "capture.mode=online", "train.max_steps=2")
+    online = micro_recipe(tmp_path / "online", target, *common, "capture.mode=online", "train.max_steps=2",
+                          "data.regen.enabled=true", "data.regen.max_new_tokens=8", "data.regen.batch_size=8")
     joint = micro_recipe(tmp_path / "joint", target, *common, "capture.mode=online", "head.kind=medusa", "head.num_heads=3",
                          "head.lora={rank: 4, alpha: 8, heads_only_steps: 1}", "train.max_steps=3", "validate.depth=3")
     for recipe in (online, joint):
@@ -168,3 +170,11 @@ def test_online_and_joint_training_on_recurrent_targets(tmp_path, micro_target, 
         validation = json.loads((recipe.run_dir / "validate" / "validation.json").read_text())
         assert validation["exact_match"] and validation["exact_vs_generate"], summary
     assert "drift" in json.loads((joint.run_dir / "validate" / "validation.json").read_text())
+    assert json.loads((online.run_dir / "data" / "manifest.json").read_text())["regeneration"]["regenerated"] == 24
+    # a batch of prompts of different lengths answers as each prompt alone: left padding leaves the states untouched
+    from draftsmith.data.regen import _answer
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(target).eval(), AutoTokenizer.from_pretrained(target)
+    histories = [[{"role": "user", "content": "def add(a, b):"}],
+                 [{"role": "user", "content": "import os\nimport sys\nprint(os.getcwd(), sys.argv, sorted(os.listdir()))"}]]
+    alone = [_answer(model, tokenizer, [h], online.data.regen)[0] for h in histories]
+    assert _answer(model, tokenizer, histories, online.data.regen) == alone and alone[0] != alone[1]

@@ -31,7 +31,7 @@ from draftsmith.bench.economics import bench_economics, render_economics
 from draftsmith.bench.heads import (DRAFTER_RUNS, MTP_RUNS, bench_drafters_economics, bench_drafters_qwen3, bench_heads,
                                    bench_medusa, render_drafters, render_heads)
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
-from draftsmith.bench.long_context import bench_long_context, render_long_context
+from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
 from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
 from draftsmith.bench.regen import bench_regen, render_regen
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset to re-measure; the others are kept from the existing .json")
+    parser.add_argument("--long-context-settings", default=None,
+                        help="with --sections long_context: re-measure only these settings (comma-separated, e.g. "
+                             "sp2+ckpt) and keep the section's other points")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     from draftsmith import stages
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                "drafting": lambda: bench_drafting(recipe),
                "regen": lambda: bench_regen(recipe),
                "parallel": lambda: bench_parallel(args.recipe, args.overrides),
-               "long_context": bench_long_context,
+               "long_context": lambda: (measure_settings(args.long_context_settings.split(","), results.get("long_context"))
+                                        if args.long_context_settings else bench_long_context()),
                "layer_types": lambda: bench_layer_types(args.recipe, args.overrides)}
     for section in SECTIONS:
         if section in sections:

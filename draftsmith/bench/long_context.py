@@ -17,8 +17,9 @@ which the rendered table names.
 
 - `sp2+ckpt`: blocked+ckpt with the sample split over 2 processes (`train.sequence_parallel: 2`, torchrun, gloo,
   one thread each, so the two cores are shared as in the other settings); its memory is the larger of the two
-  ranks' (what each device must hold). Measured apart from the sweep (`python -m draftsmith.bench.long_context
-  --only sp2+ckpt`: hours for the one-process points are not redone) and merged into BENCHMARKS.json."""
+  ranks' (what each device must hold). Measured apart from the sweep (`python -m draftsmith.bench
+  --sections long_context --long-context-settings sp2+ckpt`: the hours-long one-process points are not redone) and
+  merged into BENCHMARKS.json."""
 from __future__ import annotations
 
 import json
@@ -211,23 +212,19 @@ def main(num_tokens: int, setting: str) -> None:
     print(json.dumps(one_step(num_tokens, setting)), flush=True)
 
 
-def measure_only(names: list[str], results_path: Path = Path("BENCHMARKS.json")) -> dict:
-    """Measure the named settings alone and merge their points, dated and with the commit they ran, into the
-    section kept in `results_path` (the other settings' points are kept as they are)."""
+def measure_settings(names: list[str], section: dict | None) -> dict:
+    """The named settings measured alone, their points dated and with the commit they ran, merged into `section`
+    (the long_context section kept in BENCHMARKS.json: the other settings' points are kept as they are)."""
     unknown = sorted(set(names) - set(ALL_SETTINGS))
     if unknown:
-        raise SystemExit(f"--only {unknown}: unknown settings (known: {sorted(ALL_SETTINGS)})")
-    results = json.loads(results_path.read_text())
-    section = results.get("long_context") or {}
-    if section.get("head") != HEAD:
-        raise SystemExit(f"{results_path}: its long_context section measured another head; run the whole section")
+        raise SystemExit(f"--long-context-settings {unknown}: unknown settings (known: {sorted(ALL_SETTINGS)})")
+    if (section or {}).get("head") != HEAD:
+        raise SystemExit("BENCHMARKS.json: its long_context section measured another head (or none); measure the whole section")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     measured = bench_long_context({name: ALL_SETTINGS[name] for name in names}, Path(f"{PARTIAL}.only"))
     for name, points in measured["points"].items():
         section["points"][name] = {T: {**p, "date": time.strftime("%Y-%m-%d"), "code": f"commit {commit}"}
                                    for T, p in points.items()}
-    results["long_context"] = section
-    results_path.write_text(json.dumps(results, indent=2, default=str))
     return section
 
 
@@ -238,9 +235,5 @@ if __name__ == "__main__":
         point = sequence_parallel_step(T, setting)
         if point is not None:
             print(json.dumps(point), flush=True)
-    elif sys.argv[1:2] == ["--only"]:
-        measure_only(sys.argv[2].split(","))
-        from draftsmith.bench.__main__ import render
-        Path("BENCHMARKS.md").write_text(render(json.loads(Path("BENCHMARKS.json").read_text())))
     else:
         print(json.dumps(bench_long_context()), flush=True)

@@ -19,7 +19,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/draftsmith run --recipe $(RECIPE)
 
-# two tiers, both run by CI (.ci/run): everything but the multi-process sharded-target tests, then those
+# three tiers, all run by CI (.ci/run): everything but the tiers below; the whole pipeline on every architecture
+# (marker long); the multi-process sharded-target tests (marker parallel)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=900 -m "not parallel and not long" tests
 

@@ -255,3 +255,11 @@ def test_gated_and_mistyped_hub_ids_say_what_to_do(monkeypatch, error, says):
     with pytest.raises(ValueError, match=f"target.model='org/model'.*{says}"):
         loading.check_hub_model("org/model")
     loading.check_hub_model.cache_clear()
+
+
+def test_bench_long_context_settings_are_checked_before_anything_runs():
+    from draftsmith.bench.long_context import HEAD, measure_settings
+    with pytest.raises(SystemExit, match=r"--long-context-settings \['sp3'\]: unknown settings .*sp2\+ckpt"):
+        measure_settings(["sp3"], {"head": HEAD, "points": {}})
+    with pytest.raises(SystemExit, match="measured another head"):
+        measure_settings(["sp2+ckpt"], {"head": {**HEAD, "hidden_size": 8}, "points": {}})

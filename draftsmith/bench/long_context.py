@@ -8,7 +8,7 @@ three settings of the same head:
   when it would exceed its budget);
 - `blocked+ckpt`: that and `train.activation_checkpointing: true` (each unrolled step recomputed).
 
-Each point runs in a fresh process (`python -m draftsmith.bench.long_context T SETTING`) whose address
+Each point runs in a fresh process (`python -m draftsmith.bench.long_context --point T SETTING CAP_GB`) whose address
 space is capped, so a point that does not fit fails with an allocation error instead of taking the
 machine down; its memory is the peak RSS above what the head and the sample hold before the step. The
 step sets the CPU allocator as the trainer does (`train/trainer.return_freed_memory_on_cpu`). A point
@@ -17,9 +17,10 @@ which the rendered table names.
 
 - `sp2+ckpt`: blocked+ckpt with the sample split over 2 processes (`train.sequence_parallel: 2`, torchrun, gloo,
   one thread each, so the two cores are shared as in the other settings); its memory is the larger of the two
-  ranks' (what each device must hold). Measured apart from the sweep (`python -m draftsmith.bench
-  --sections long_context --long-context-settings sp2+ckpt`: the hours-long one-process points are not redone) and
-  merged into BENCHMARKS.json."""
+  ranks' (what each device must hold).
+
+`python -m draftsmith.bench --sections long_context --long-context-settings sp2+ckpt` re-measures some settings
+alone and keeps the section's other points (the hours-long one-process points are not redone)."""
 from __future__ import annotations
 
 import json
@@ -104,13 +105,9 @@ def sequence_parallel_step(num_tokens: int, setting: str) -> dict | None:
 
 
 def _run_point(num_tokens: int, setting: str) -> dict:
-    if setting in SEQUENCE_PARALLEL:  # each rank's address space capped at its share of the machine
-        ranks = SEQUENCE_PARALLEL[setting][0]
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "-m",
-                   "draftsmith.bench.long_context", "--point", str(num_tokens), setting, str(MEMORY_CAP_GB / ranks)]
-    else:
-        cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP_GB} * 2**30,) * 2); "
-        command = [sys.executable, "-c", cap + f"from draftsmith.bench.long_context import main; main({num_tokens}, {setting!r})"]
+    ranks = SEQUENCE_PARALLEL.get(setting, (1,))[0]  # each rank's address space capped at its share of the machine
+    launch = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc-per-node={ranks}"] if ranks > 1 else [])
+    command = launch + ["-m", "draftsmith.bench.long_context", "--point", str(num_tokens), setting, str(MEMORY_CAP_GB / ranks)]
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["?"])[-1]
@@ -207,11 +204,6 @@ def _goals(points: dict) -> list[str]:
     return ["".join(lines) + ".", ""]
 
 
-def main(num_tokens: int, setting: str) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(json.dumps(one_step(num_tokens, setting)), flush=True)
-
-
 def measure_settings(names: list[str], section: dict | None) -> dict:
     """The named settings measured alone, their points dated and with the commit they ran, merged into `section`
     (the long_context section kept in BENCHMARKS.json: the other settings' points are kept as they are)."""
@@ -229,10 +221,10 @@ def measure_settings(names: list[str], section: dict | None) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--point"]:  # one rank of a sequence-parallel point (launched by _run_point)
+    if sys.argv[1:2] == ["--point"]:  # one point, or one rank of a sequence-parallel one (launched by _run_point)
         T, setting, cap_gb = int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
         resource.setrlimit(resource.RLIMIT_AS, (int(cap_gb * 2 ** 30),) * 2)
-        point = sequence_parallel_step(T, setting)
+        point = sequence_parallel_step(T, setting) if setting in SEQUENCE_PARALLEL else one_step(T, setting)
         if point is not None:
             print(json.dumps(point), flush=True)
     else:

@@ -244,7 +244,7 @@ class TargetRunner:
 
     @staticmethod
     def _select_rows(layer, at: dict, lengths_B: list[int]) -> None:
-        """Row b of every state of `layer` taken from at[lengths_B[b]] (a `_states` copy per length)."""
+        """Row b of every state of `layer` taken from at[lengths_B[b]] (a `layer_states` copy per length)."""
         for store, k in ((layer.conv_states, 0), (layer.recurrent_states, 1)):
             for idx, state in store.items():
                 if state is not None:

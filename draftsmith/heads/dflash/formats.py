@@ -140,7 +140,7 @@ def recognizes(config: dict) -> bool:
 
 
 def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dict]:
-    """(our draft config, our tensor names, metadata) from a z-lab or speculators DFlash directory."""
+    """(our draft config, our tensor names, metadata) from a z-lab, speculators or transformers DFlash directory."""
     transformers_layout = raw.get("model_type") == TRANSFORMERS_TYPE
     if "speculators_model_type" in raw:
         layer, ids = raw["transformer_layer_config"], list(raw["aux_hidden_state_layer_ids"])

@@ -126,12 +126,12 @@ def write_nextn_full(out: Path, tensors: dict, meta: dict, head: Path) -> None:
         shard = single.rename(out / "model-target.safetensors")
         with safe_open(str(shard), framework="pt") as f:
             names = list(f.keys())
-        index.write_text(json.dumps({"metadata": {"total_size": shard.stat().st_size},
-                                     "weight_map": {name: shard.name for name in names}}, indent=2) + "\n")
+        index.write_text(json.dumps({"weight_map": {name: shard.name for name in names}}))
     if index.exists():  # the engines and transformers read the files through the index
         data = json.loads(index.read_text())
         data["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
-        data.setdefault("metadata", {})["total_size"] = data["metadata"].get("total_size", 0) + (out / "model-mtp.safetensors").stat().st_size
+        files = set(data["weight_map"].values())
+        data["metadata"] = {**data.get("metadata", {}), "total_size": sum((out / f).stat().st_size for f in files)}
         index.write_text(json.dumps(data, indent=2) + "\n")
 
 

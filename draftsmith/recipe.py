@@ -266,6 +266,9 @@ class EconomicsConfig:
     ngram_min: int = 1
     draft_model: str | None = None         # a small HF causal LM sharing the target's tokenizer
     draft_model_embedded: EmbeddedDraftConfig | None = None  # the demo: `draftsmith target` builds it at draft_model
+    compare: list[str] = field(default_factory=list)  # other heads for this target (checkpoint or export directories),
+    #                                      swept with the recipe's head in the same batches, each named by its run
+    repeats: int = 1                       # each cell measured this many times in turn; the fastest run counts
 
 
 @dataclass
@@ -449,6 +452,8 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
         raise RecipeError(f"{source}: economics.batch_sizes={econ.batch_sizes}: expected batch sizes >= 1")
     if econ.num_speculative_tokens is not None and (not econ.num_speculative_tokens or min(econ.num_speculative_tokens) < 0):
         raise RecipeError(f"{source}: economics.num_speculative_tokens={econ.num_speculative_tokens}: expected K values >= 0")
+    if econ.repeats < 1:
+        raise RecipeError(f"{source}: economics.repeats={econ.repeats}: expected how many times to measure each cell (>= 1)")
     recipe.source_path = source
     return recipe
 

@@ -363,7 +363,7 @@ def test_transformers_dflash_generation_drafts_what_our_drafter_drafts(target, t
     runner = TargetRunner(target, 128, IDS)
     drafter = DFlashDrafter(head, 128, TreeConfig(4, 1, 5))
     block_logits = drafter.block_logits
-    drafter.block_logits = lambda roots: ours.append(block_logits(roots)[0]) or ours[-1][None]
+    drafter.block_logits = lambda roots, slots=None: ours.append(block_logits(roots)[0]) or ours[-1][None, :slots]
     new = 56
     spec = speculative_generate(runner, drafter, prompt, new, SamplingConfig(), set())
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """The economics formulas against reference values (issue #14) and the schedule writer on a synthetic sweep."""
 import pytest
+import torch
 
 from draftsmith.runtime import economics as E
 
@@ -287,6 +288,73 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeyp
     assert card and f"--speculative-num-steps {k} " in text and json.dumps(data["drafters"]["eagle3"]["schedule"]) in text
     with pytest.raises(ValueError, match="economics.batch_sizes"):
         run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over, "economics.memory_fraction=1e-12"), out=str(tmp_path / "x"))
+
+
+def test_economics_compares_heads_in_one_sweep(tmp_path, micro_pipeline, monkeypatch):
+    """`economics.compare`: other heads for the same target swept in the same batches as the recipe's head, each
+    named by its run and summarised with its own kind; `economics.repeats` measures every cell that many times in
+    turn and keeps the fastest run."""
+    import json
+    import shutil
+
+    from conftest import micro_recipe
+
+    from draftsmith import artifacts
+    from draftsmith.heads.dflash.model import DFlashHead, draft_config_from_target
+    from draftsmith.runtime import sweep as sweep_mod
+    from draftsmith.runtime.sweep import run_economics
+    from draftsmith.targets.loading import load_target
+    recipe = micro_pipeline
+    shutil.copytree(recipe.run_dir / "head", tmp_path / "same-weights" / "head")
+    _, meta = artifacts.load_checkpoint(recipe.run_dir / "head")
+    layer_ids = meta["draft_config"]["draftsmith"]["layer_ids"]
+    target = load_target(recipe, torch.device("cpu"))
+    dflash = DFlashHead(draft_config_from_target(target.config, layer_ids[1:] + [1], 1, 4, None))  # other layers
+    artifacts.save_checkpoint(tmp_path / "block" / "head", dflash.trainable_state(),
+                              {"kind": "dflash", "target_id": recipe.target.model, "layer_ids": layer_ids[1:] + [1],
+                               "draft_config": dflash.config, "step": 1})
+    from draftsmith.runtime.sweep import _columns
+    from draftsmith.runtime.target import TargetRunner
+    own, union, prompt = layer_ids[1:] + [1], sorted(set(layer_ids) | {1}), torch.arange(3, 9)
+    _, captured, _ = TargetRunner(target, 16, union, compile_mode=None).prefill(prompt)
+    _, alone, _ = TargetRunner(target, 16, own, compile_mode=None).prefill(prompt)  # what the head reads in a sweep of its own
+    torch.testing.assert_close(captured[..., _columns(own, union, target.config.hidden_size)], alone)
+    compare = f"economics.compare=[{tmp_path / 'same-weights' / 'head'},{tmp_path / 'block' / 'head'}]"
+    over = ["economics.batch_sizes=[1,2]", "economics.num_speculative_tokens=[2]", "economics.max_new_tokens=8",
+            "economics.num_prompts=3", "economics.baselines=[]", "economics.repeats=2", compare]
+    calls = []
+    real = sweep_mod.batched_generate
+
+    def counted(runner, prompts, max_new, cfg, eos, drafter=None):
+        calls.append(type(drafter).__name__ if drafter is not None else "plain")
+        return real(runner, prompts, max_new, cfg, eos, drafter)
+    monkeypatch.setattr(sweep_mod, "batched_generate", counted)
+    run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over), out=str(tmp_path / "econ"))
+    data = json.loads((tmp_path / "econ" / "economics.json").read_text())
+    assert list(data["drafters"]) == ["eagle3", "same-weights", "block"]
+    assert data["drafters"]["block"]["kind"] == "dflash" and data["drafters"]["same-weights"]["kind"] == "eagle3"
+    assert data["drafters"]["block"]["vllm_speculative_config"]["method"] == "dflash"
+    for name, d in data["drafters"].items():
+        assert d["exact_rows"] == d["rows"] > 0, name
+    for b in ("1", "2"):  # the same weights draft the same tokens in the same batches
+        assert data["drafters"]["same-weights"]["cells"][b]["2"]["tau"] == data["drafters"]["eagle3"]["cells"][b]["2"]["tau"]
+    groups = {1: 3, 2: 2}  # batches that cover the 3 prompts at each batch size; per size: a warm-up batch, the
+    assert calls.count("ReadingLayers") == 3 * 2 * sum(groups.values())  # the heads read the union's columns
+    assert calls.count("plain") == sum(1 + 3 * n for n in groups.values())  # plain batches, then twice: each drafter, plain
+    cases = {f"economics.compare=[{tmp_path / 'nowhere'}]": "is not a directory",
+             f"economics.compare=[{tmp_path / 'block' / 'head'},{tmp_path / 'block' / 'head'}]": "is named 'block', which another",
+             "economics.repeats=0": "economics.repeats=0"}
+    from draftsmith.heads.medusa.model import MedusaHead
+    from draftsmith.heads.medusa.model import draft_config_from_target as medusa_config
+    from draftsmith.recipe import HeadConfig
+    medusa = MedusaHead(medusa_config(target.config, HeadConfig(kind="medusa", num_heads=2, num_layers=1)))
+    artifacts.save_checkpoint(tmp_path / "heads-on-final" / "head", medusa.trainable_state(),
+                              {"kind": "medusa", "target_id": recipe.target.model, "layer_ids": [],
+                               "draft_config": medusa.config, "step": 1})
+    cases[f"economics.compare=[{tmp_path / 'heads-on-final' / 'head'}]"] = "read the final hidden state and heads that read"
+    for override, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over[:-1], override), out=str(tmp_path / "x"))
 
 
 def test_economics_bad_input_is_named(tmp_path):

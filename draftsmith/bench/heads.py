@@ -62,27 +62,36 @@ def bench_drafters_qwen3(recipe_path: str, overrides: list[str], seconds: float,
     return {name: {**row, "target": f"qwen3 (hidden 128, 8 layers) trained {target_steps} steps"} for name, row in out.items()}
 
 
-ECONOMICS = ["economics.batch_sizes=[1,4,16,64,256,1024]", "economics.num_speculative_tokens=[3,7]", "economics.baselines=[]",
-             "economics.max_new_tokens=48", "economics.draft_model_embedded=null"]
+ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.num_speculative_tokens=[3,7]",
+             "economics.baselines=[]", "economics.max_new_tokens=48", "economics.draft_model_embedded=null",
+             "economics.repeats=2"]
 
 
 def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
-    """The batched sweep (`draftsmith economics`: B 1-64, K 3 and 7, greedy) for each head the `drafters` section
-    trained: the best speedup over plain batched decoding per batch size, the crossover, c at B = 1."""
+    """One batched sweep (`draftsmith economics`, greedy, K 3 and 7) of every head the `drafters` section trained:
+    EAGLE-3's recipe with the others under `economics.compare`, so that at each batch size every head and plain
+    decoding run back to back, twice, the faster run counting. Per head: the best speedup over plain batched
+    decoding per batch size, the crossover, c at B = 1."""
     from draftsmith.runtime.sweep import run_economics
+    runs = {name: recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}"])
+            for name, (path, extra) in DRAFTER_RUNS.items()}
+    base, *others = DRAFTER_RUNS
+    compare = "economics.compare=[" + ",".join(str(runs[name].run_dir / "head") for name in others) + "]"
+    path, extra = DRAFTER_RUNS[base]
+    recipe = recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{base}", "train.save_every=100000",
+                             "train.eval_every=100000", f"train.max_steps={drafters[base]['train_steps']}", *ECONOMICS, compare])
+    report = recipe.run_dir / "economics-bench"
+    run_economics(recipe, out=str(report))
+    e = json.loads((report / "economics.json").read_text())
+    names = {e["kind"]: base} | {runs[name].run_dir.name: name for name in others}
     out = {}
-    for name, (path, extra) in DRAFTER_RUNS.items():
-        recipe = recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}", "train.save_every=100000",
-                                 "train.eval_every=100000", f"train.max_steps={drafters[name]['train_steps']}", *ECONOMICS])
-        report = recipe.run_dir / "economics-bench"
-        run_economics(recipe, out=str(report))
-        e = json.loads((report / "economics.json").read_text())
-        head = e["drafters"][e["kind"]]
+    for key, head in e["drafters"].items():
         best = {str(b): max(cell["tokens_per_s"] for cell in head["cells"][str(b)].values()) / e["plain"][str(b)]["tokens_per_s"]
                 for b in e["batch_sizes"]}
-        out[name] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
-                     "best_k": head["best_k"]}
-        print(f"[bench] {name} economics: {out[name]}", flush=True)
+        out[names[key]] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
+                           "best_k": head["best_k"], "tau_by_batch_size": {str(b): head["cells"][str(b)][str(head["best_k"][str(b)] or 7)]["tau"]
+                                                                           for b in e["batch_sizes"]}}
+        print(f"[bench] {names[key]} economics: {out[names[key]]}", flush=True)
     return out
 
 
@@ -287,11 +296,13 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
     econ = r.get("drafters_economics")
     if econ:
         sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
-        lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, greedy, 16 prompts repeated to fill B rows, 48 "
-                  "new tokens, K 3 or 7, the better one per B; speedup over plain batched decoding at the same B; "
-                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}; each cell is one run, and on this shared "
-                  "machine, whose speed varied by up to 1.5x within a session, the same cell has differed by as much between "
-                  "runs of the same head):", "",
+        lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, all four in one sweep "
+                  "(`economics.compare`): at each B plain decoding and every head at K 3 and 7 run in turn, twice "
+                  "(`economics.repeats: 2`), the fastest run of each counting; greedy, 16 prompts repeated to fill B rows, "
+                  "48 new tokens, the better K per B; speedup over plain batched decoding at the same B; "
+                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
+                  "varied by up to 1.5x within a session, a cell still moves by 0.1-0.3x between sweeps, and the non-monotone "
+                  "rows show it; the heads' ratios at one B, measured minutes apart, move less):", "",
                   "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
                   "|---|" + "---|" * len(sizes) + "---|"]
         for name, h in econ.items():

@@ -37,7 +37,7 @@ HEAD = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4
         "vocab_size": 32000, "draft_vocab_size": 8192, "ttt_steps": 7}
 SIZES = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 SETTINGS = {"whole": SIZES[:5], "blocked": SIZES[:5], "blocked+ckpt": SIZES[:4] + SIZES[-1:] + SIZES[4:6]}  # 32K first
-SEQUENCE_PARALLEL = {"sp2+ckpt": (2, [2048, 4096, 8192])}  # setting -> (ranks, sizes): the sample split over ranks
+SEQUENCE_PARALLEL = {"sp2+ckpt": (2, [2048, 4096, 8192, 16384])}  # setting -> (ranks, sizes): the sample split over ranks
 MEMORY_CAP_GB = 23
 
 
@@ -215,8 +215,8 @@ def measure_settings(names: list[str], section: dict | None) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     measured = bench_long_context({name: ALL_SETTINGS[name] for name in names}, Path(f"{PARTIAL}.only"))
     for name, points in measured["points"].items():
-        section["points"][name] = {T: {**p, "date": time.strftime("%Y-%m-%d"), "code": f"commit {commit}"}
-                                   for T, p in points.items()}
+        section["points"][name] = {T: {"date": time.strftime("%Y-%m-%d"), "code": f"commit {commit}", **p}
+                                   for T, p in points.items()}  # a point resumed from the partial file keeps its own
     return section
 
 

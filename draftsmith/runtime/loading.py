@@ -116,7 +116,7 @@ def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validat
     if layout.sharded and draft_head.config.get("draftsmith", {}).get("joint"):
         raise ValueError(f"target.parallel tp={layout.tp}: {head_path} was trained jointly with LoRA adapters on the "
                          "target, which this release merges on a whole target only; validate it at tp=1")
-    _check_target(meta, model, recipe)
+    check_target(meta, model, recipe)
     return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
 
 
@@ -127,10 +127,10 @@ def non_finite_tensors(module) -> list[str]:
             if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
 
 
-def _check_target(meta: dict, model, recipe: Recipe) -> None:
+def check_target(meta: dict, model, recipe: Recipe, where: str = "head") -> None:
     vocab = model.config.get_text_config().vocab_size
     if meta["draft_config"]["vocab_size"] != vocab:
-        raise ValueError(f"head vocab_size {meta['draft_config']['vocab_size']} does not match the target's {vocab} "
+        raise ValueError(f"{where}: vocab_size {meta['draft_config']['vocab_size']} does not match the target's {vocab} "
                          f"({recipe.target.model}); this head was trained for another target")
     if meta.get("target_id") and meta["target_id"] != recipe.target.model:
         print(f"warning: head was trained for {meta['target_id']}, validating against {recipe.target.model}", flush=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import artifacts
+from draftsmith.heads.registry import head_spec
 from draftsmith.recipe import Recipe
 from draftsmith.runtime import economics as econ
 from draftsmith.runtime.baselines import (
@@ -105,9 +106,10 @@ class Sweep:
     batched drafter serves every row). A batch size below the number of prompts runs several batches, so
     every cell decodes every prompt at least once."""
 
-    def __init__(self, model, layer_ids, prompts, domains, eos, max_new_tokens, max_len, device):
+    def __init__(self, model, layer_ids, prompts, domains, eos, max_new_tokens, max_len, device, repeats: int = 1):
         self.model, self.layer_ids, self.prompts, self.domains = model, layer_ids, prompts, domains
         self.eos, self.max_new_tokens, self.max_len, self.device = eos, max_new_tokens, max_len, device
+        self.repeats = repeats
         self.pools: dict[tuple[str, int, int], object] = {}
         self.row_accepts: dict[str, dict[str, list[int]]] = {}
 
@@ -127,20 +129,23 @@ class Sweep:
         greedy = SamplingConfig()
         batched_generate(runner, [self.prompts[i] for i in groups[0]], 4, greedy, self.eos)  # warm-up
         plains = self._plain(runner, groups)
-        out = {}
-        for name, factory in drafters.items():
-            out[name] = {}
-            for k in ks[name]:
-                drafter = self._drafter(name, factory, k, batch_size)
-                results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos, drafter)
-                           for g in groups]
-                out[name][k] = _cell(results, plains)
-                if k == max(ks[name]):
-                    self._collect(name, results, groups)
-        # plain decoding is every drafter's denominator at this batch size: measured before and after
-        # the drafters, the faster run counts (one noisy baseline would flip every K decision here)
-        again = self._plain(runner, groups)
-        out["plain"] = min(_cell(plains), _cell(again), key=lambda c: c["seconds"])
+        fastest = _cell(plains)
+        out = {name: {} for name in drafters}
+        for repeat in range(self.repeats):  # every setting in turn, then again: a slow spell hits one run of each
+            for name, factory in drafters.items():
+                for k in ks[name]:
+                    drafter = self._drafter(name, factory, k, batch_size)
+                    results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos,
+                                                drafter) for g in groups]
+                    cell = _cell(results, plains)
+                    if k not in out[name] or cell["seconds"] < out[name][k]["seconds"]:
+                        out[name][k] = cell
+                    if repeat == 0 and k == max(ks[name]):
+                        self._collect(name, results, groups)
+            # plain decoding is every drafter's denominator at this batch size: measured before and after
+            # the drafters, the fastest run counts (one noisy baseline would flip every K decision here)
+            fastest = min(fastest, _cell(self._plain(runner, groups)), key=lambda c: c["seconds"])
+        out["plain"] = fastest
         return out
 
     def _plain(self, runner, groups: list[list[int]]) -> list:
@@ -262,7 +267,6 @@ def _load_partial(path: Path, key: dict) -> tuple[dict, dict]:
 
 
 def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: int, device) -> dict:
-    from draftsmith.heads.registry import head_spec
     cfg = recipe.economics
     spec = head_spec(draft_head.kind)
     factories = {draft_head.kind: lambda k, b=1: spec.drafter(draft_head, max_len, chain_config(k), batch_size=b)}
@@ -281,6 +285,59 @@ def _drafter_factories(recipe: Recipe, draft_head, model, tokenizer, max_len: in
         small = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=model.dtype, attn_implementation="sdpa").to(device).eval()
         factories["draft-model"] = lambda k, b=1: DraftModelDrafter(small, max_len, k, batch_size=b)
     return factories
+
+
+def _layer_ids(head) -> list[int]:
+    return list(head.config.get("draftsmith", {}).get("layer_ids", []))
+
+
+def _columns(own: list[int], captured: list[int], hidden: int) -> torch.Tensor:
+    """The feature columns of layers `own` in features captured at layers `captured` (hidden columns each)."""
+    return torch.cat([torch.arange(captured.index(i) * hidden, (captured.index(i) + 1) * hidden) for i in own]) if own \
+        else torch.zeros(0, dtype=torch.long)
+
+
+class ReadingLayers:
+    """A drafter in a sweep that captures more layers than it reads: what it commits keeps its own layers' columns."""
+
+    def __init__(self, drafter, columns: torch.Tensor):
+        self.drafter, self.columns = drafter, columns
+
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        self.drafter.extend_rows(rows, tokens, [f[..., self.columns.to(f.device)] for f in features])
+
+    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor | None = None) -> None:
+        self.extend_rows([0], [tokens_T], [features_TK])
+
+    def __getattr__(self, name: str):
+        return getattr(self.drafter, name)
+
+
+def _reading(factory, columns: torch.Tensor):
+    return lambda k, b=1: ReadingLayers(factory(k, b), columns)
+
+
+def compared_heads(recipe: Recipe, model, taken: set[str]) -> dict:
+    """{name: (head, path)} for `economics.compare`: other heads trained for this target, on its device and dtype,
+    each named by its run directory (`runs/X/head` -> X)."""
+    from draftsmith.heads.loading import load_head
+    from draftsmith.runtime.loading import check_target
+    out = {}
+    for entry in recipe.economics.compare:
+        path = Path(entry)
+        if not path.is_dir():
+            raise ValueError(f"economics.compare: {entry!r} is not a directory (expected a head checkpoint or export)")
+        name = path.parent.name if path.name in ("head", "") else path.name
+        if name in taken or name in out:
+            raise ValueError(f"economics.compare: {entry!r} is named {name!r}, which another drafter of the sweep "
+                             "already has: compare heads from differently named runs")
+        head, meta = load_head(path, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        if head.config.get("draftsmith", {}).get("joint"):
+            raise ValueError(f"economics.compare: {entry!r} was trained jointly with LoRA adapters on the target, so "
+                             "it drafts for another (merged) target: sweep it with its own recipe")
+        check_target(meta, model, recipe, where=f"economics.compare: {entry!r}")
+        out[name] = (head.to(device=model.device, dtype=model.dtype), path)
+    return out
 
 
 def _prices(cfg, gpu_hour_usd: float | None, extra_usd_per_hour: float | None) -> tuple[float | None, float]:
@@ -315,7 +372,7 @@ def _measure_grid(sweep: Sweep, sizes: list[int], factories: dict, ks_by: dict, 
     return {b: grid[b] for b in sizes if b in grid and str(b) not in skipped}, skipped
 
 
-def _drafter_summary(name: str, factory, sweep: Sweep, grid: dict, ks: list[int], usd, extra, model_path: str, cfg) -> dict:
+def _drafter_summary(name: str, kind: str, factory, sweep: Sweep, grid: dict, ks: list[int], usd, extra, model_path: str, cfg) -> dict:
     """What the report says of one drafter: c, the low-batch figures, schedule, cost, alpha per domain."""
     plain = {b: grid[b]["plain"] for b in grid}
     cells = {b: grid[b][name] for b in grid}
@@ -325,8 +382,8 @@ def _drafter_summary(name: str, factory, sweep: Sweep, grid: dict, ks: list[int]
     for domain, accepts in sorted(sweep.row_accepts.get(name, {}).items()):
         tau = sum(a + 1 for a in accepts) / max(len(accepts), 1)
         per_domain[domain] = {"tau": tau, "k": max(ks), "alpha_iid": econ.alpha_from_tau(tau, max(ks))}
-    summary.update(kind=name, per_domain=per_domain, cells={str(b): {str(k): v for k, v in cells[b].items()} for b in cells},
-                   vllm_speculative_config=vllm_config(name, name, summary["schedule"], model_path, cfg))
+    summary.update(kind=kind, per_domain=per_domain, cells={str(b): {str(k): v for k, v in cells[b].items()} for b in cells},
+                   vllm_speculative_config=vllm_config(name, kind, summary["schedule"], model_path, cfg))
     return summary
 
 
@@ -345,15 +402,28 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
     if not ks:
         raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")
     max_len = batch_max_len(prompts, cfg.max_new_tokens, max(ks) + 1)
-    layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
+    layer_ids = _layer_ids(draft_head)
     factories = _drafter_factories(recipe, draft_head, model, tokenizer, max_len, model.device)
+    compared = compared_heads(recipe, model, set(factories))
+    readers = {draft_head.kind: layer_ids} | {name: _layer_ids(other) for name, (other, _) in compared.items()}
+    if len({bool(ids) for ids in readers.values()}) > 1:
+        raise ValueError(f"economics.compare: heads that read the final hidden state and heads that read target layers "
+                         f"({readers}) need different captures: compare heads of one of the two sorts")
+    layer_ids = sorted({i for ids in readers.values() for i in ids})
+    if compared:  # the target captures every layer any head reads; each head gets its own layers' columns
+        for name, head in [(draft_head.kind, draft_head)] + [(n, other) for n, (other, _) in compared.items()]:
+            factories[name] = _reading(factories[name] if name == draft_head.kind else
+                                       lambda k, b=1, h=head: head_spec(h.kind).drafter(h, max_len, chain_config(k), batch_size=b),
+                                       _columns(_layer_ids(head), layer_ids, model.config.get_text_config().hidden_size))
     ks_by, refused = {}, {}
     for name, factory in factories.items():
         ks_by[name], refused[name] = _usable_ks(name, factory, ks)
-    sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, model.device)
+    sweep = Sweep(model, layer_ids, prompts, domains, eos_ids(model, tokenizer), cfg.max_new_tokens, max_len, model.device,
+                  cfg.repeats)
     out_dir = Path(out) if out else economics_dir(recipe)
     partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
-    key = {"head_sha256": head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by, "drafting": "batched"}
+    key = {"head_sha256": head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by, "drafting": "batched",
+           "compare": {name: head_sha(path) for name, (_, path) in compared.items()}}
     grid, skipped = _measure_grid(sweep, sorted(set(cfg.batch_sizes)), factories, ks_by, partial, key, cfg.memory_fraction)
     if not grid:
         raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
@@ -363,8 +433,10 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
               "num_prompts": len(prompts), "batch_sizes": sorted(grid), "skipped_batch_sizes": skipped, "num_speculative_tokens": ks,
               "gpu_hour_usd": usd, "extra_usd_per_hour": extra, "plain": {str(b): grid[b]["plain"] for b in grid}, "drafters": {}}
     for name, factory in factories.items():
-        model_path = str(recipe.run_dir / "export" / "vllm") if name == draft_head.kind else (cfg.draft_model or "")
-        summary = _drafter_summary(name, factory, sweep, grid, ks_by[name], usd, extra, model_path, cfg)
+        model_path = str(recipe.run_dir / "export" / "vllm") if name == draft_head.kind else \
+            str(compared[name][1]) if name in compared else (cfg.draft_model or "")
+        kind = compared[name][0].kind if name in compared else name
+        summary = _drafter_summary(name, kind, factory, sweep, grid, ks_by[name], usd, extra, model_path, cfg)
         summary["refused_k"] = refused[name]
         if name == draft_head.kind:
             summary["sglang"] = sglang_settings(summary["schedule"])

@@ -52,12 +52,13 @@ class DFlashDrafter(BatchOfOne):
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
-        logits = self.block_logits(roots_B)[:, :self.depth]
+        logits = self.block_logits(roots_B, self.depth)
         return marginal_trees(roots_B, logits, self.tree_cfg.top_k, self.tree_cfg.num_nodes)
 
     @torch.no_grad()
-    def block_logits(self, roots_B: torch.Tensor) -> torch.Tensor:
-        """[B, block_size - 1, V] fp32: the block's slots 1.. for every row, in one forward."""
+    def block_logits(self, roots_B: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+        """[B, slots, V] fp32 (default block_size - 1): the block's slots 1..slots for every row, in one forward of
+        the whole block (every slot sees the block both ways); only the slots drafted go through the lm_head."""
         Bs, B = self.head.block_size, len(roots_B)
         lengths = torch.tensor(self.lengths, device=self.device)
         L = max(self.lengths)
@@ -73,4 +74,4 @@ class DFlashDrafter(BatchOfOne):
             allowed = {"full_attention": allowed, "sliding_attention": sliding}
         kv = [(self.k[i, :B, :, :L], self.v[i, :B, :, :L]) for i in range(len(self.head.layers))]
         h = self.head.block_hidden(tokens, positions, kv, allowed)
-        return self.head.logits(h[:, 1:]).float()
+        return self.head.logits(h[:, 1:1 + (slots or Bs - 1)]).float()

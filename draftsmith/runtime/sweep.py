@@ -131,8 +131,9 @@ class Sweep:
         plains = self._plain(runner, groups)
         fastest = _cell(plains)
         out = {name: {} for name in drafters}
-        for repeat in range(self.repeats):  # every setting in turn, then again: a slow spell hits one run of each
-            for name, factory in drafters.items():
+        for repeat in range(self.repeats):  # every setting in turn, then again in reverse order: a slow spell, or a
+            # machine that slows as a batch size's caches pile up, hits no drafter's every run
+            for name, factory in (list(drafters.items()) if repeat % 2 == 0 else list(drafters.items())[::-1]):
                 for k in ks[name]:
                     drafter = self._drafter(name, factory, k, batch_size)
                     results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos,
@@ -322,6 +323,7 @@ def compared_heads(recipe: Recipe, model, taken: set[str]) -> dict:
     each named by its run directory (`runs/X/head` -> X)."""
     from draftsmith.heads.loading import load_head
     from draftsmith.runtime.loading import check_target
+    from draftsmith.targets import parallel
     out = {}
     for entry in recipe.economics.compare:
         path = Path(entry)
@@ -331,7 +333,8 @@ def compared_heads(recipe: Recipe, model, taken: set[str]) -> dict:
         if name in taken or name in out:
             raise ValueError(f"economics.compare: {entry!r} is named {name!r}, which another drafter of the sweep "
                              "already has: compare heads from differently named runs")
-        head, meta = load_head(path, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        head, meta = load_head(path, model.config, parallel.full(model.get_input_embeddings().weight),
+                               parallel.full(model.get_output_embeddings().weight))
         if head.config.get("draftsmith", {}).get("joint"):
             raise ValueError(f"economics.compare: {entry!r} was trained jointly with LoRA adapters on the target, so "
                              "it drafts for another (merged) target: sweep it with its own recipe")

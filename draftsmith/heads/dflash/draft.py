@@ -1,7 +1,8 @@
 """Drafting with a DFlash head: one forward per round over [bonus, MASK x (B - 1)] for every row at once.
 
 Each row keeps every layer's context K/V for its committed positions (computed once, when the target's features
-for them arrive in `extend_rows`); the block's own K/V are thrown away after the round. The block's slots 1..d
+for them arrive in `extend_rows`); the block's own K/V are written after the longest row's context (scratch slots,
+read in place with the context: no copy of the cache) and overwritten by later commits. The block's slots 1..d
 (d = min(validate.depth, B - 1)) give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
 verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
 over the slots' marginals (`heads/tree.marginal_trees`)."""
@@ -20,7 +21,7 @@ class DFlashDrafter(BatchOfOne):
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = head.config
-        shape = (len(head.layers), batch_size, cfg["num_key_value_heads"], max_len, cfg["head_dim"])
+        shape = (len(head.layers), batch_size, cfg["num_key_value_heads"], max_len + head.block_size, cfg["head_dim"])
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.lengths = [0] * batch_size
@@ -72,6 +73,6 @@ class DFlashDrafter(BatchOfOne):
             causal = torch.ones(Bs, Bs, dtype=torch.bool, device=self.device).tril()
             sliding = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
             allowed = {"full_attention": allowed, "sliding_attention": sliding}
-        kv = [(self.k[i, :B, :, :L], self.v[i, :B, :, :L]) for i in range(len(self.head.layers))]
-        h = self.head.block_hidden(tokens, positions, kv, allowed)
+        kv = [(self.k[i, :B], self.v[i, :B]) for i in range(len(self.head.layers))]  # the block's K/V go to slots L.. (room: block_size)
+        h = self.head.block_hidden(tokens, positions, kv, allowed, scratch=L)
         return self.head.logits(h[:, 1:1 + (slots or Bs - 1)]).float()

@@ -114,13 +114,19 @@ class DFlashAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, x_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL):
-        """Block rows x attend to [context keys ; their own keys] under `allowed` [B, N, S + N]."""
+    def forward(self, x_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None):
+        """Block rows x attend to [context keys ; their own keys] under `allowed` [B, N, S + N]. With `scratch`
+        (drafting) ctx_k/ctx_v are cache views with room after their first `scratch` slots: the block's K/V are
+        written there and the keys read in place, without copying the context."""
         B, N, _ = x_BNH.shape
         q = self.q_norm(self.q_proj(x_BNH).view(B, N, self.heads, self.head_dim)).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.keys_values(x_BNH, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        if scratch is None:
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        else:
+            ctx_k[:, :, scratch:scratch + N], ctx_v[:, :, scratch:scratch + N] = k, v
+            k, v = ctx_k[:, :, :scratch + N], ctx_v[:, :, :scratch + N]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BNL[:, None],
                                                                enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
@@ -134,8 +140,8 @@ class DFlashLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg)
         self.mlp = LlamaMLP(_llama_config(cfg))
 
-    def forward(self, h_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL):
-        h = h_BNH + self.self_attn(self.input_layernorm(h_BNH), cos, sin, ctx_k, ctx_v, allowed_BNL)
+    def forward(self, h_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None):
+        h = h_BNH + self.self_attn(self.input_layernorm(h_BNH), cos, sin, ctx_k, ctx_v, allowed_BNL, scratch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -184,13 +190,14 @@ class DFlashHead(DraftHead):
     def layer_types(self) -> list[str]:
         return self.config.get("layer_types") or ["full_attention"] * len(self.layers)
 
-    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed):
+    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed, scratch: int | None = None):
         """The blocks' final hidden states (before norm) given every layer's context K/V; `allowed` [B, N, S + N],
-        or one such mask per layer type (sliding layers: the context within the window, the block causal)."""
+        or one such mask per layer type (sliding layers: the context within the window, the block causal). With
+        `scratch` = S, kv are cache views whose slots S.. take the block's K/V (drafting)."""
         h = self.embed_tokens(tokens_BN).to(self.fc.weight.dtype)
         cos, sin = self.rotary(h, positions_BN)
         for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.layer_types(), kv):
-            h = layer(h, cos, sin, ctx_k, ctx_v, allowed[kind] if isinstance(allowed, dict) else allowed)
+            h = layer(h, cos, sin, ctx_k, ctx_v, allowed[kind] if isinstance(allowed, dict) else allowed, scratch)
         return h
 
     def logits(self, h_BNH):

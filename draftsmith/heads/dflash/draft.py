@@ -66,13 +66,17 @@ class DFlashDrafter(BatchOfOne):
         tokens = torch.full((B, Bs), self.head.mask_token_id, dtype=torch.long, device=self.device)
         tokens[:, 0] = roots_B
         positions = lengths[:, None] + torch.arange(Bs, device=self.device)
-        allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, Bs, L),
-                             torch.ones(B, Bs, Bs, dtype=torch.bool, device=self.device)], dim=-1)
-        if "sliding_attention" in self.head.layer_types():  # the context within the window, the block causal
+        sliding = "sliding_attention" in self.head.layer_types()
+        if min(self.lengths) == L and not sliding:  # every row sees all L context slots and its block: no mask
+            allowed = None
+        else:
+            allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, Bs, L),
+                                 torch.ones(B, Bs, Bs, dtype=torch.bool, device=self.device)], dim=-1)
+        if sliding:  # the context within the window, the block causal
             near = positions[:, :, None] - torch.arange(L, device=self.device) < self.head.config["sliding_window"]
             causal = torch.ones(Bs, Bs, dtype=torch.bool, device=self.device).tril()
-            sliding = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
-            allowed = {"full_attention": allowed, "sliding_attention": sliding}
+            windowed = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
+            allowed = {"full_attention": allowed, "sliding_attention": windowed}
         kv = [(self.k[i, :B], self.v[i, :B]) for i in range(len(self.head.layers))]  # the block's K/V go to slots L.. (room: block_size)
         h = self.head.block_hidden(tokens, positions, kv, allowed, scratch=L)
         return self.head.logits(h[:, 1:1 + (slots or Bs - 1)]).float()

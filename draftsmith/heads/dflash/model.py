@@ -106,22 +106,25 @@ class DFlashAttention(nn.Module):
         self.q_norm = LlamaRMSNorm(self.head_dim, cfg["rms_norm_eps"])
         self.k_norm = LlamaRMSNorm(self.head_dim, cfg["rms_norm_eps"])
 
-    def keys_values(self, x_BTH, cos, sin, with_queries: bool = False):
-        """K (normed, rotated) and V [B, kv, T, d] of rows x at the positions cos/sin were built for; with
-        `with_queries` (the block's rows) Q [B, heads, T, d] first, rotated in the same call."""
+    def _unrotated_keys_values(self, x_BTH):
         B, T, _ = x_BTH.shape
         k = self.k_norm(self.k_proj(x_BTH).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BTH).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = self.q_norm(self.q_proj(x_BTH).view(B, T, self.heads, self.head_dim)).transpose(1, 2) if with_queries else k
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return (q, k, v) if with_queries else (k, v)
+        return k, self.v_proj(x_BTH).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def keys_values(self, x_BTH, cos, sin):
+        """K (normed, rotated) and V [B, kv, T, d] of rows x at the positions cos/sin were built for."""
+        k, v = self._unrotated_keys_values(x_BTH)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
 
     def forward(self, x_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None):
         """Block rows x attend to [context keys ; their own keys] under `allowed` [B, N, S + N] (None: every key
         visible). With `scratch` (drafting) ctx_k/ctx_v are cache views with room after their first `scratch`
         slots: the block's K/V are written there and the keys read in place, without copying the context."""
         B, N, _ = x_BNH.shape
-        q, k, v = self.keys_values(x_BNH, cos, sin, with_queries=True)
+        q = self.q_norm(self.q_proj(x_BNH).view(B, N, self.heads, self.head_dim)).transpose(1, 2)
+        k, v = self._unrotated_keys_values(x_BNH)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if scratch is None:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         else:

@@ -298,9 +298,10 @@ def test_sliding_layers_train_as_they_draft_exactly_and_export(target, tmp_path)
                                                          layer_types=["sliding_attention"]), IDS)
 
 
-def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
-    """The DDTree over per-depth marginals holds exactly the num_nodes - 1 paths of highest probability (the
-    product of their tokens' marginals) among every path over each depth's top-k, found here by enumeration."""
+def test_ddtree_keeps_the_chain_and_the_most_probable_paths_under_the_marginals():
+    """The DDTree over per-depth marginals holds the chain of argmaxes to the full depth (so its greedy acceptance is
+    never below the chain's) and, besides, the paths of highest probability (the product of their tokens'
+    marginals) among every path over each depth's top-k, found here by enumeration."""
     import itertools
     import math
     from draftsmith.heads.tree import ancestor_mask, marginal_trees
@@ -311,7 +312,8 @@ def test_ddtree_keeps_the_most_probable_paths_under_the_marginals():
     top = probs.topk(3, dim=-1)
     paths = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
     score = {p: math.prod(float(top.values[i, r]) for i, r in enumerate(p)) for p in paths}
-    best = sorted(paths, key=lambda p: -score[p])[:11]
+    spine = [(0,) * d for d in range(1, 5)]
+    best = spine + sorted((p for p in paths if p not in spine), key=lambda p: -score[p])[:11 - len(spine)]
     kept = set()
     for node in range(1, len(tree)):  # each node's path of tokens from the root
         path, n = [], node

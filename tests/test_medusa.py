@@ -120,6 +120,9 @@ def test_accuracy_built_tree_is_greedy_by_expected_gain():
     assert tree_from_accuracies(acc, 5) == [[0], [0, 0], [1], [0, 1]]
     choices = tree_from_accuracies(acc, 8)
     assert len(choices) == 7 and all(c[:-1] in choices or len(c) == 1 for c in choices)  # ancestor-closed
+    assert tree_from_accuracies([[0.6, 0.3], [0.2, 0.1]], 3) == [[0], [1]]
+    assert tree_from_accuracies([[0.6, 0.3], [0.2, 0.1]], 3, spine=2) == [[0], [0, 0]]       # the rank-0 chain first
+    assert tree_from_accuracies([[0.6, 0.3], [0.2, 0.05]], 5, spine=2) == [[0], [0, 0], [1], [1, 0]]
     layout = StaticLayout([[0], [2], [0, 1], [0, 3]])
     tree = layout.tree(torch.tensor(7), torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]]))
     assert tree.tokens_N.tolist() == [7, 10, 12, 21, 23]                       # by rank

@@ -140,16 +140,16 @@ def _shortfalls(r: dict) -> list[str]:
             "layer (MLP included) and the full-vocabulary lm_head, whose CPU cost grows with the rows; n-gram lookup "
             "runs per row on the host (a fraction of a millisecond per row), as the issue allows.")
     drafters, econ = r.get("drafters") or {}, r.get("drafters_economics") or {}
-    if "dflash-b8" in drafters and "eagle3-k7" in drafters:
+    if "dflash-b16" in drafters and "eagle3-k7" in drafters:
         def ratio(rows: dict) -> float:
-            return rows["dflash-b8"]["speedup_vs_plain"] / rows["eagle3-k7"]["speedup_vs_plain"]
-        budgets = [rows for rows in (drafters, r.get("drafters_budget") or {}) if "dflash-b8" in rows and "eagle3-k7" in rows]
+            return rows["dflash-b16"]["speedup_vs_plain"] / rows["eagle3-k7"]["speedup_vs_plain"]
+        budgets = [rows for rows in (drafters, r.get("drafters_budget") or {}) if "dflash-b16" in rows and "eagle3-k7" in rows]
         if max(map(ratio, budgets)) < 1.3:
             out.append("- DFlash at B = 1: " + ", ".join(
                 f"{ratio(rows):.2f}x EAGLE-3's speedup at {rows['eagle3-k7']['budget_seconds']:.0f} s of training each"
                 for rows in budgets) + " (goal 1.3x); see the parallel drafting section for the batched sweep and the second target.")
-    if "dflash-b8" in econ and (econ["dflash-b8"]["crossover_batch_size"] or 10**9) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
-        d, e = econ["dflash-b8"], econ["eagle3-k7"]
+    if "dflash-b16" in econ and (econ["dflash-b16"]["crossover_batch_size"] or 10**9) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
+        d, e = econ["dflash-b16"], econ["eagle3-k7"]
         if d["crossover_batch_size"] is None:  # neither crosses over: the sweep cannot tell which would later
             last = list(d["speedup_by_batch_size"])[-1]
             out.append(f"- DFlash's crossover batch size: neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; "

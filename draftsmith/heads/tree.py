@@ -116,17 +116,22 @@ def static_tree(root: torch.Tensor, choices: list[list[int]], topk_tokens_DK: to
     return StaticLayout(choices, topk_tokens_DK.device).tree(root, topk_tokens_DK)
 
 
-def tree_from_accuracies(accuracy_DK: list[list[float]], num_nodes: int) -> list[list[int]]:
+def tree_from_accuracies(accuracy_DK: list[list[float]], num_nodes: int, spine: int = 0) -> list[list[int]]:
     """The Medusa paper's accuracy-built tree: `accuracy_DK[d][r]` is the measured probability that
     depth d+1's rank-r candidate is the right token. A path's expected contribution to the
     acceptance length is the product of its ranks' accuracies (independence assumed); greedily add
     the child of an existing node with the largest product until the tree holds `num_nodes` nodes
-    (root included). Returns the choice list."""
+    (root included). With `spine` d, the rank-0 chain to depth d is in the tree first. Returns the choice list."""
     import heapq
     depth_max, ranks = len(accuracy_DK), len(accuracy_DK[0]) if accuracy_DK else 0
-    heap = [(-accuracy_DK[0][r], (r,)) for r in range(ranks)] if depth_max else []
+    chosen = [[0] * d for d in range(1, min(spine, depth_max, num_nodes - 1) + 1)]
+    heap, score = [], 1.0
+    for path in [()] + [tuple(c) for c in chosen]:
+        if len(path):
+            score *= accuracy_DK[len(path) - 1][0]
+        if len(path) < depth_max:
+            heap += [(-score * accuracy_DK[len(path)][r], path + (r,)) for r in range(ranks) if r or len(path) >= len(chosen)]
     heapq.heapify(heap)
-    chosen = []
     while heap and len(chosen) < num_nodes - 1:
         neg, path = heapq.heappop(heap)
         chosen.append(list(path))
@@ -156,4 +161,4 @@ def marginal_trees(roots_B: torch.Tensor, logits_BDV: torch.Tensor, top_k: int, 
         return [chain_tree(root, row) for root, row in zip(roots_B, tokens)]
     probs, tokens = torch.softmax(logits_BDV.float(), dim=-1).topk(top_k, dim=-1)
     tokens = to_target(tokens) if to_target is not None else tokens
-    return [static_tree(root, tree_from_accuracies(p.tolist(), num_nodes), t) for root, p, t in zip(roots_B, probs, tokens)]
+    return [static_tree(root, tree_from_accuracies(p.tolist(), num_nodes, spine=len(p)), t) for root, p, t in zip(roots_B, probs, tokens)]

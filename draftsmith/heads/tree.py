@@ -126,11 +126,10 @@ def tree_from_accuracies(accuracy_DK: list[list[float]], num_nodes: int, spine: 
     depth_max, ranks = len(accuracy_DK), len(accuracy_DK[0]) if accuracy_DK else 0
     chosen = [[0] * d for d in range(1, min(spine, depth_max, num_nodes - 1) + 1)]
     heap, score = [], 1.0
-    for path in [()] + [tuple(c) for c in chosen]:
-        if len(path):
-            score *= accuracy_DK[len(path) - 1][0]
-        if len(path) < depth_max:
-            heap += [(-score * accuracy_DK[len(path)][r], path + (r,)) for r in range(ranks) if r or len(path) >= len(chosen)]
+    for path in [()] + [tuple(c) for c in chosen]:  # every child of the root and of the spine not in it yet
+        score *= accuracy_DK[len(path) - 1][0] if path else 1.0
+        heap += [(-score * accuracy_DK[len(path)][r], path + (r,)) for r in range(ranks)
+                 if len(path) < depth_max and list(path + (r,)) not in chosen]
     heapq.heapify(heap)
     while heap and len(chosen) < num_nodes - 1:
         neg, path = heapq.heappop(heap)

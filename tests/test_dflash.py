@@ -89,13 +89,25 @@ def _trained_block(head, batch, p: int, masks=None):
         trained = head.logits(head.block_hidden(tokens, p + torch.arange(4)[None], kv, masks)[:, 1:]).float()
     drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4))
     drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
-    return trained, drafter.block_logits(batch["input_ids"][0, p:p + 1])
+    return trained, drafter.block_logits(batch["input_ids"][0, p:p + 1], drafter.depth)
 
 
 def test_training_and_drafting_compute_the_same_block(target):
     """The logits training gives anchor p's block equal the drafter's for the same root with p committed positions."""
     trained, drafted = _trained_block(_head(target).eval(), _batch(target, B=1), 9)
     torch.testing.assert_close(drafted, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_drafting_fewer_slots_runs_the_shorter_block(target):
+    """A drafter of depth 3 on a head of blocks of 8 runs the block [root, MASK x 3] (what an engine serving it with
+    num_speculative_tokens = 3 runs): the training forward of a block of 4 gives its logits, not the full block's."""
+    head, batch, p = _head(target, block=8).eval(), _batch(target, B=1), 9
+    short, drafted = _trained_block(head, batch, p, lambda a, ok: dloss.block_mask(a, ok, batch["input_ids"].shape[1], 4))
+    torch.testing.assert_close(drafted, short, rtol=1e-5, atol=1e-5)
+    drafter = DFlashDrafter(head, 64, TreeConfig(7, 1, 8))
+    drafter.extend(batch["input_ids"][0, 1:p + 1], batch["aux"][0, :p])
+    full = drafter.block_logits(batch["input_ids"][0, p:p + 1], drafter.depth)
+    assert full.shape[1] == 7 and not torch.allclose(full[:, :3], drafted, atol=1e-4)  # the 4 extra masks are seen
 
 
 def test_head_overfits_a_batch(target):

@@ -71,13 +71,13 @@ def bench_drafters_budget(data_recipe, overrides: list[str], seconds: float) -> 
     return bench_heads(data_recipe, overrides, seconds, BUDGET_RUNS, prefix="bench-budget")
 
 
-ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.num_speculative_tokens=[3,7]",
+ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.num_speculative_tokens=[3,7,15]",
              "economics.baselines=[]", "economics.max_new_tokens=48", "economics.draft_model_embedded=null",
              "economics.repeats=2"]
 
 
 def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
-    """One batched sweep (`draftsmith economics`, greedy, K 3 and 7) of every head the `drafters` section trained:
+    """One batched sweep (`draftsmith economics`, greedy, K 3, 7 and 15: DFlash drafts 15 in one forward) of every head the `drafters` section trained:
     EAGLE-3's recipe with the others under `economics.compare`, so that at each batch size every head and plain
     decoding run back to back, twice, the faster run counting. Per head: the best speedup over plain batched
     decoding per batch size, the crossover, c at B = 1."""
@@ -328,7 +328,7 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
     if econ:
         sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
         lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, all four in one sweep "
-                  "(`economics.compare`): at each B plain decoding and every head at K 3 and 7 run in turn, twice "
+                  "(`economics.compare`): at each B plain decoding and every head at K 3, 7 and 15 (each as many as it drafts) run in turn, twice "
                   "(`economics.repeats: 2`), the fastest run of each counting; greedy, 16 prompts repeated to fill B rows, "
                   "48 new tokens, the better K per B; speedup over plain batched decoding at the same B; "
                   f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
@@ -355,12 +355,14 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
         first, cross = next(iter(d["speedup_by_batch_size"])), d["crossover_batch_size"]
         last = list(d["speedup_by_batch_size"])[-1]
         goals.append(f"In the batched sweep DFlash is {d['speedup_by_batch_size'][first] / e3['speedup_by_batch_size'][first]:.2f}x "
-                     f"EAGLE-3's speedup at B = {first} and {d['speedup_by_batch_size'][last] / e3['speedup_by_batch_size'][last]:.2f}x "
+                     f"EAGLE-3's speedup at B = {first} (best K there: {d['best_k'][first]} against EAGLE-3's {e3['best_k'][first]}) and {d['speedup_by_batch_size'][last] / e3['speedup_by_batch_size'][last]:.2f}x "
                      f"at B = {last}; its crossover is {cross or 'beyond the sweep'} against EAGLE-3's "
                      f"{e3['crossover_batch_size'] or 'beyond the sweep'} (goal: a higher crossover: "
                      f"{'met' if (cross or 10**9) > (e3['crossover_batch_size'] or 10**9) else 'not met' if cross else 'not shown, as neither crosses over within the sweep'}). "
-                     "Since 2026-12-03 every row's new context K/V and chain come from one batched call: a DFlash draft round "
-                     "at B = 64 went from 53 to 24 ms (before it, the sweep put DFlash's crossover at 64)")
+                     "Since 2026-12-03 every row's new context K/V and chain come from one batched call (a DFlash draft round "
+                     "at B = 64 went from 53 to 24 ms); since 2026-12-05 a round at K drafts the block [root, MASK x K], as an "
+                     "engine serving the head with num_speculative_tokens = K does, not all 16 slots (at K 3 and 7 tau moved "
+                     "3.28 -> 3.27 and 4.76 -> 4.67 on a trial head)")
     if "peagle" in rows:
         ratio = rows["peagle"]["speedup_vs_plain"] / base["speedup_vs_plain"]
         goals.append(f"P-EAGLE's speedup is {ratio:.2f}x EAGLE-3's at tau {rows['peagle']['tau']:.2f} against "

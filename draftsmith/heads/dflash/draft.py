@@ -1,9 +1,10 @@
-"""Drafting with a DFlash head: one forward per round over [bonus, MASK x (B - 1)] for every row at once.
+"""Drafting with a DFlash head: one forward per round over [bonus, MASK x d] for every row at once, d = min(validate.depth,
+B - 1) the tokens drafted (an engine serving the head with num_speculative_tokens = d runs the same block).
 
 Each row keeps every layer's context K/V for its committed positions (computed once, when the target's features
 for them arrive in `extend_rows`); the block's own K/V are written after the longest row's context (scratch slots,
 read in place with the context: no copy of the cache) and overwritten by later commits. The block's slots 1..d
-(d = min(validate.depth, B - 1)) give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
+give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
 verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
 over the slots' marginals (`heads/tree.marginal_trees`)."""
 from __future__ import annotations
@@ -58,9 +59,10 @@ class DFlashDrafter(BatchOfOne):
 
     @torch.no_grad()
     def block_logits(self, roots_B: torch.Tensor, slots: int | None = None) -> torch.Tensor:
-        """[B, slots, V] fp32 (default block_size - 1): the block's slots 1..slots for every row, in one forward of
-        the whole block (every slot sees the block both ways); only the slots drafted go through the lm_head."""
-        Bs, B = self.head.block_size, len(roots_B)
+        """[B, slots, V] fp32 (default block_size - 1): for every row, in one forward, the block [root, MASK x slots]
+        (every slot sees the block both ways), as an engine serving it with num_speculative_tokens = slots runs it:
+        at large batch sizes a short block costs a fraction of the full one."""
+        Bs, B = (slots or self.head.block_size - 1) + 1, len(roots_B)
         lengths = torch.tensor(self.lengths, device=self.device)
         L = max(self.lengths)
         tokens = torch.full((B, Bs), self.head.mask_token_id, dtype=torch.long, device=self.device)
@@ -79,4 +81,4 @@ class DFlashDrafter(BatchOfOne):
             allowed = {"full_attention": allowed, "sliding_attention": windowed}
         kv = [(self.k[i, :B], self.v[i, :B]) for i in range(len(self.head.layers))]  # the block's K/V go to slots L.. (room: block_size)
         h = self.head.block_hidden(tokens, positions, kv, allowed, scratch=L)
-        return self.head.logits(h[:, 1:1 + (slots or Bs - 1)]).float()
+        return self.head.logits(h[:, 1:]).float()

@@ -77,9 +77,9 @@ ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.nu
 
 
 def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
-    """One batched sweep (`draftsmith economics`, greedy, K 3, 7 and 15: DFlash drafts 15 in one forward) of every head the `drafters` section trained:
-    EAGLE-3's recipe with the others under `economics.compare`, so that at each batch size every head and plain
-    decoding run back to back, twice, the faster run counting. Per head: the best speedup over plain batched
+    """One batched sweep (`draftsmith economics`, greedy, K 3, 7 and 15: DFlash drafts 15 in one forward) of every
+    head the `drafters` section trained: EAGLE-3's recipe with the others under `economics.compare`, so that at each
+    batch size every head and plain decoding run back to back, twice, the faster run counting. Per head: the best speedup over plain batched
     decoding per batch size, the crossover, c at B = 1."""
     from draftsmith.runtime.sweep import run_economics
     runs = {name: recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}"])

@@ -62,21 +62,21 @@ class DFlashDrafter(BatchOfOne):
         """[B, slots, V] fp32 (default block_size - 1): for every row, in one forward, the block [root, MASK x slots]
         (every slot sees the block both ways), as an engine serving it with num_speculative_tokens = slots runs it:
         at large batch sizes a short block costs a fraction of the full one."""
-        Bs, B = (slots or self.head.block_size - 1) + 1, len(roots_B)
+        N, B = (slots or self.head.block_size - 1) + 1, len(roots_B)  # the block: its root and `slots` masks
         lengths = torch.tensor(self.lengths, device=self.device)
         L = max(self.lengths)
-        tokens = torch.full((B, Bs), self.head.mask_token_id, dtype=torch.long, device=self.device)
+        tokens = torch.full((B, N), self.head.mask_token_id, dtype=torch.long, device=self.device)
         tokens[:, 0] = roots_B
-        positions = lengths[:, None] + torch.arange(Bs, device=self.device)
+        positions = lengths[:, None] + torch.arange(N, device=self.device)
         sliding = "sliding_attention" in self.head.layer_types()
         if min(self.lengths) == L and not sliding:  # every row sees all L context slots and its block: no mask
             allowed = None
         else:
-            allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, Bs, L),
-                                 torch.ones(B, Bs, Bs, dtype=torch.bool, device=self.device)], dim=-1)
+            allowed = torch.cat([(torch.arange(L, device=self.device)[None, :] < lengths[:, None])[:, None, :].expand(B, N, L),
+                                 torch.ones(B, N, N, dtype=torch.bool, device=self.device)], dim=-1)
         if sliding:  # the context within the window, the block causal
             near = positions[:, :, None] - torch.arange(L, device=self.device) < self.head.config["sliding_window"]
-            causal = torch.ones(Bs, Bs, dtype=torch.bool, device=self.device).tril()
+            causal = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
             windowed = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
             allowed = {"full_attention": allowed, "sliding_attention": windowed}
         kv = [(self.k[i, :B], self.v[i, :B]) for i in range(len(self.head.layers))]  # the block's K/V go to slots L.. (room: block_size)

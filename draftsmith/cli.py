@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # user-caused: RecipeError, ArtifactError, DataError...
         print(f"draftsmith {args.stage}: error: {exc}", file=sys.stderr)
         return 2
+    from draftsmith.targets import parallel
+    parallel.shutdown()
     if result is not None:
         print(json.dumps(result, indent=2, default=str) if not isinstance(result, str) else result)
     return 0

@@ -44,3 +44,19 @@ def test_run_skips_completed_stages(micro_pipeline, capsys):
     from draftsmith import recipe as recipe_mod
     assert not is_current("train", recipe_mod.load(ROOT / "recipes/demo/micro-eagle3.yaml", changed))
     assert is_current("capture", recipe_mod.load(ROOT / "recipes/demo/micro-eagle3.yaml", changed))
+
+
+def test_a_finished_stage_ends_its_process_group(monkeypatch, tmp_path):
+    """A stage that ran under a process group destroys it before the CLI returns: left to interpreter exit,
+    gloo's threads can abort a process (SIGABRT) after all its work is written (seen on CI with 4 ranks)."""
+    import torch.distributed as dist
+    from draftsmith import stages
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    monkeypatch.setattr(stages, "dispatch", lambda stage, recipe, args: None)
+    try:
+        assert cli.main(["validate"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

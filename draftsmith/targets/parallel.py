@@ -216,6 +216,17 @@ def init_process_group() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def shutdown() -> None:
+    """Ends this process's part of a finished multi-process stage: every rank waits for the others, then
+    destroys its process groups while the interpreter is whole. Left to interpreter exit, gloo's worker
+    threads can abort the process (SIGABRT, 'terminate called without an active exception') after all
+    its work is written. Called on success only: a rank that failed must not wait on the others."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():

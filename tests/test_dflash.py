@@ -110,6 +110,30 @@ def test_drafting_fewer_slots_runs_the_shorter_block(target):
     assert full.shape[1] == 7 and not torch.allclose(full[:, :3], drafted, atol=1e-4)  # the 4 extra masks are seen
 
 
+def test_a_round_is_one_draft_forward(target):
+    """Committing keeps the target's features and computes nothing; the next block's forward projects the new
+    context rows with its own (fc once, each layer once) and leaves in the cache the context K/V that the
+    context's own projection gives, for one row and for rows of different lengths."""
+    head, batch, p = _head(target).eval(), _batch(target, B=2), 9
+    calls = []
+    head.fc.register_forward_hook(lambda *_: calls.append("fc"))
+    for layer in head.layers:
+        layer.register_forward_hook(lambda *_: calls.append("layer"))
+    kv = head.context_kv(head.context(batch["aux"]), batch["position_ids"])
+    for lengths in ([p], [p, p - 4]):
+        calls.clear()
+        drafter = DFlashDrafter(head, 64, TreeConfig(3, 1, 4), batch_size=len(lengths))
+        drafter.extend_rows(list(range(len(lengths))), [batch["input_ids"][b, 1:n + 1] for b, n in enumerate(lengths)],
+                            [batch["aux"][b, :n] for b, n in enumerate(lengths)])
+        assert calls == [] and drafter.lengths == [0] * len(lengths)
+        drafter.block_logits(batch["input_ids"][:len(lengths), 0], drafter.depth)
+        assert calls == ["fc"] + ["layer"] * len(head.layers) and drafter.lengths == lengths
+        for i, (k, v) in enumerate(kv):
+            for b, n in enumerate(lengths):
+                torch.testing.assert_close(drafter.k[i, b, :, :n], k[b, :, :n], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(drafter.v[i, b, :, :n], v[b, :, :n], rtol=1e-5, atol=1e-6)
+
+
 def test_head_overfits_a_batch(target):
     head, batch = _head(target, anchors=12), _batch(target, T=10)
     batch["target_probs"] = torch.nn.functional.one_hot(batch["input_ids"].roll(-1, 1), V).float()

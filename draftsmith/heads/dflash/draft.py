@@ -1,8 +1,9 @@
 """Drafting with a DFlash head: one forward per round over [bonus, MASK x d] for every row at once, d = min(validate.depth,
 B - 1) the tokens drafted (an engine serving the head with num_speculative_tokens = d runs the same block).
 
-Each row keeps every layer's context K/V for its committed positions (computed once, when the target's features
-for them arrive in `extend_rows`); the block's own K/V are written after the longest row's context (scratch slots,
+Each row keeps every layer's context K/V for its committed positions, computed once, in the first block after the
+target's features for them arrive (`extend_rows` keeps them): every layer projects [new context rows ; block rows]
+in one go, as the reference's forward does, so that a round is one draft forward; the block's own K/V are written after the longest row's context (scratch slots,
 read in place with the context: no copy of the cache) and overwritten by later commits. The block's slots 1..d
 give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
 verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager, padded_commits
+from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager, pad_rows
 from draftsmith.heads.tree import Tree, marginal_trees
 
 
@@ -25,32 +26,47 @@ class DFlashDrafter(BatchOfOne):
         shape = (len(head.layers), batch_size, cfg["num_key_value_heads"], max_len + head.block_size, cfg["head_dim"])
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.lengths = [0] * batch_size
+        self.reset()
 
     def reset(self) -> None:
         self.lengths = [0] * self.batch_size
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(self.batch_size)]
 
-    @torch.no_grad()
     def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """Context K/V for the rows' newly committed positions (the features; the tokens are not read), every row
-        in one forward: the new positions padded to the longest, only each row's own written to its cache."""
-        _, feats_BTK, counts = padded_commits(rows, tokens, features, self.batch_size)
-        T = feats_BTK.shape[1]
-        if T == 0:
-            return
-        for r in rows:
-            if self.lengths[r] + counts[r] > self.max_len:
-                raise ValueError(f"DFlash context of {self.lengths[r] + counts[r]} positions exceeds the drafter's "
-                                 f"max_len={self.max_len}")
-        starts = torch.tensor(self.lengths, device=self.device)
-        positions = starts[:, None] + torch.arange(T, device=self.device)
-        new = torch.arange(T, device=self.device)[None, :] < torch.tensor(counts, device=self.device)[:, None]
-        row_idx, pos_idx = torch.nonzero(new, as_tuple=True)
-        slots = positions[row_idx, pos_idx]
-        for layer, (k, v) in enumerate(self.head.context_kv(self.head.context(feats_BTK.to(self.device)), positions)):
-            self.k[layer][row_idx, :, slots] = k.transpose(1, 2)[row_idx, pos_idx]
-            self.v[layer][row_idx, :, slots] = v.transpose(1, 2)[row_idx, pos_idx]
+        """The rows' newly committed positions (their features; the tokens are not read): kept until the next
+        block, whose forward computes their context K/V with its own (one draft forward per round)."""
+        for r, feats in zip(rows, features):
+            total = self.lengths[r] + sum(len(f) for f in self.pending[r]) + len(feats)
+            if total > self.max_len:
+                raise ValueError(f"DFlash context of {total} positions exceeds the drafter's max_len={self.max_len}")
+            self.pending[r].append(feats)
+
+    def _take_pending(self):
+        """(context rows [B, P, H], their positions [B, P], store) for the positions committed since the last block
+        (None if there are none); `lengths` then count them. store(layer, k, v) writes each row's own to its cache."""
+        feats = [torch.cat(f) if f else None for f in self.pending]
+        counts = [0 if f is None else len(f) for f in feats]
+        if not any(counts):
+            return None
+        present = next(f for f in feats if f is not None)
+        feats_BPK = pad_rows([present[:0] if f is None else f for f in feats], max(counts))
+        P = feats_BPK.shape[1]
+        starts = list(self.lengths)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(P, device=self.device)
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.pending = [[] for _ in range(self.batch_size)]
+        if len(counts) == 1:  # one row: its new positions are one contiguous run of slots
+            def store(layer, k, v):
+                self.k[layer][:1, :, starts[0]:starts[0] + P], self.v[layer][:1, :, starts[0]:starts[0] + P] = k, v
+        else:
+            new = torch.arange(P, device=self.device)[None, :] < torch.tensor(counts, device=self.device)[:, None]
+            row_idx, pos_idx = torch.nonzero(new, as_tuple=True)
+            slots = positions[row_idx, pos_idx]
+
+            def store(layer, k, v):
+                self.k[layer][row_idx, :, slots] = k.transpose(1, 2)[row_idx, pos_idx]
+                self.v[layer][row_idx, :, slots] = v.transpose(1, 2)[row_idx, pos_idx]
+        return self.head.context(feats_BPK.to(self.device)), positions, store
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
@@ -63,6 +79,7 @@ class DFlashDrafter(BatchOfOne):
         (every slot sees the block both ways), as an engine serving it with num_speculative_tokens = slots runs it:
         at large batch sizes a short block costs a fraction of the full one."""
         N, B = (slots or self.head.block_size - 1) + 1, len(roots_B)  # the block: its root and `slots` masks
+        new_ctx = self._take_pending()
         lengths = torch.tensor(self.lengths, device=self.device)
         L = max(self.lengths)
         tokens = torch.full((B, N), self.head.mask_token_id, dtype=torch.long, device=self.device)
@@ -80,5 +97,5 @@ class DFlashDrafter(BatchOfOne):
             windowed = torch.cat([allowed[..., :L] & near, allowed[..., L:] & causal], dim=-1)
             allowed = {"full_attention": allowed, "sliding_attention": windowed}
         kv = [(self.k[i, :B], self.v[i, :B]) for i in range(len(self.head.layers))]  # the block's K/V go to slots L.. (room: block_size)
-        h = self.head.block_hidden(tokens, positions, kv, allowed, scratch=L)
+        h = self.head.block_hidden(tokens, positions, kv, allowed, scratch=L, new_ctx=new_ctx)
         return self.head.logits(h[:, 1:]).float()

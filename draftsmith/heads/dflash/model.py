@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
+                                                      rotate_half)
 
 from draftsmith.heads.base import DraftHead, full_attention_rope, mask_token, target_value as _target_value
 from draftsmith.heads.dflash.loss import dflash_loss
@@ -117,14 +118,26 @@ class DFlashAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, x_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None):
+    def forward(self, x_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None, new_ctx=None):
         """Block rows x attend to [context keys ; their own keys] under `allowed` [B, N, S + N] (None: every key
         visible). With `scratch` (drafting) ctx_k/ctx_v are cache views with room after their first `scratch`
-        slots: the block's K/V are written there and the keys read in place, without copying the context."""
+        slots: the block's K/V are written there and the keys read in place, without copying the context.
+        `new_ctx` (drafting): (rows [B, P, H], store) context rows committed since the last block, projected to
+        K/V in the block's own projections (cos/sin cover their P positions, then the block's) and handed to
+        `store(k, v)` to write into the cache before the block reads it."""
         B, N, _ = x_BNH.shape
         q = self.q_norm(self.q_proj(x_BNH).view(B, N, self.heads, self.head_dim)).transpose(1, 2)
-        k, v = self._unrotated_keys_values(x_BNH)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if new_ctx is None:
+            k, v = self._unrotated_keys_values(x_BNH)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        else:
+            rows, store = new_ctx
+            P = rows.shape[1]
+            k, v = self._unrotated_keys_values(torch.cat([rows, x_BNH], dim=1))
+            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            q = q * cos[:, None, P:] + rotate_half(q) * sin[:, None, P:]
+            store(k[:, :, :P], v[:, :, :P])
+            k, v = k[:, :, P:], v[:, :, P:]
         if scratch is None:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         else:
@@ -144,8 +157,8 @@ class DFlashLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg)
         self.mlp = LlamaMLP(_llama_config(cfg))
 
-    def forward(self, h_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None):
-        h = h_BNH + self.self_attn(self.input_layernorm(h_BNH), cos, sin, ctx_k, ctx_v, allowed_BNL, scratch)
+    def forward(self, h_BNH, cos, sin, ctx_k, ctx_v, allowed_BNL, scratch: int | None = None, new_ctx=None):
+        h = h_BNH + self.self_attn(self.input_layernorm(h_BNH), cos, sin, ctx_k, ctx_v, allowed_BNL, scratch, new_ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -194,14 +207,20 @@ class DFlashHead(DraftHead):
     def layer_types(self) -> list[str]:
         return self.config.get("layer_types") or ["full_attention"] * len(self.layers)
 
-    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed, scratch: int | None = None):
+    def block_hidden(self, tokens_BN, positions_BN, kv: list, allowed, scratch: int | None = None, new_ctx=None):
         """The blocks' final hidden states (before norm) given every layer's context K/V; `allowed` [B, N, S + N],
         or one such mask per layer type (sliding layers: the context within the window, the block causal). With
-        `scratch` = S, kv are cache views whose slots S.. take the block's K/V (drafting)."""
+        `scratch` = S, kv are cache views whose slots S.. take the block's K/V (drafting). `new_ctx` (drafting):
+        (ctx [B, P, H], positions [B, P], store) context rows not yet in the cache, whose K/V every layer computes
+        with the block's (one forward per round, as the reference drafts) and hands to store(layer, k, v)."""
         h = self.embed_tokens(tokens_BN).to(self.fc.weight.dtype)
+        if new_ctx is not None:
+            rows, rows_positions, store = new_ctx
+            positions_BN = torch.cat([rows_positions, positions_BN], dim=1)
         cos, sin = self.rotary(h, positions_BN)
-        for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.layer_types(), kv):
-            h = layer(h, cos, sin, ctx_k, ctx_v, allowed[kind] if isinstance(allowed, dict) else allowed, scratch)
+        for i, (layer, kind, (ctx_k, ctx_v)) in enumerate(zip(self.layers, self.layer_types(), kv)):
+            extra = None if new_ctx is None else (rows, lambda k, v, i=i: store(i, k, v))
+            h = layer(h, cos, sin, ctx_k, ctx_v, allowed[kind] if isinstance(allowed, dict) else allowed, scratch, extra)
         return h
 
     def logits(self, h_BNH):

@@ -3,8 +3,9 @@ B - 1) the tokens drafted (an engine serving the head with num_speculative_token
 
 Each row keeps every layer's context K/V for its committed positions, computed once, in the first block after the
 target's features for them arrive (`extend_rows` keeps them): every layer projects [new context rows ; block rows]
-in one go, as the reference's forward does, so that a round is one draft forward; the block's own K/V are written after the longest row's context (scratch slots,
-read in place with the context: no copy of the cache) and overwritten by later commits. The block's slots 1..d
+in one go, as the reference's forward does, so that a round is one draft forward. The block's own K/V are written
+after the longest row's context (scratch slots, read in place with the context: no copy of the cache) and
+overwritten by later commits. The block's slots 1..d
 give a chain of d tokens: their argmax (deterministic drafts, which the runtime's
 verification keeps lossless under sampling too); with `validate.top_k` > 1 a DDTree of `validate.num_nodes` nodes
 over the slots' marginals (`heads/tree.marginal_trees`)."""

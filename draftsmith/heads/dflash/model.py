@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
-                                                      rotate_half)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from draftsmith.heads.base import DraftHead, full_attention_rope, mask_token, target_value as _target_value
 from draftsmith.heads.dflash.loss import dflash_loss
@@ -133,9 +132,8 @@ class DFlashAttention(nn.Module):
         else:
             rows, store = new_ctx
             P = rows.shape[1]
-            k, v = self._unrotated_keys_values(torch.cat([rows, x_BNH], dim=1))
-            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-            q = q * cos[:, None, P:] + rotate_half(q) * sin[:, None, P:]
+            k, v = self.keys_values(torch.cat([rows, x_BNH], dim=1), cos, sin)
+            q, _ = apply_rotary_pos_emb(q, q, cos[:, P:], sin[:, P:])
             store(k[:, :, :P], v[:, :, :P])
             k, v = k[:, :, P:], v[:, :, P:]
         if scratch is None:

@@ -29,7 +29,7 @@ from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
 from draftsmith.bench.heads import (DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
-                                   bench_heads, bench_medusa, render_drafters, render_heads)
+                                   bench_heads, bench_medusa, render_drafters, render_heads, speed)
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
@@ -142,7 +142,7 @@ def _shortfalls(r: dict) -> list[str]:
     drafters, econ = r.get("drafters") or {}, r.get("drafters_economics") or {}
     if "dflash-b16" in drafters and "eagle3-k7" in drafters:
         def ratio(rows: dict) -> float:
-            return rows["dflash-b16"]["speedup_vs_plain"] / rows["eagle3-k7"]["speedup_vs_plain"]
+            return speed(rows["dflash-b16"]) / speed(rows["eagle3-k7"])
         budgets = [rows for rows in (drafters, r.get("drafters_budget") or {}) if "dflash-b16" in rows and "eagle3-k7" in rows]
         if max(map(ratio, budgets)) < 1.3:
             out.append("- DFlash at B = 1: " + ", ".join(

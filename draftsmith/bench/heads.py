@@ -156,10 +156,9 @@ def side_by_side(recipes: dict, repeats: int = 5) -> dict:
     of the target, then `repeats` passes over the held-out prompts where every prompt runs plain and speculative
     decoding for each head in turn (the order rotated per prompt). Per head: each pass's total plain over total
     speculative time (greedy: the same tokens, checked) and their median."""
-    from draftsmith.heads.drafting import TreeConfig
-    from draftsmith.heads.registry import head_spec
     from draftsmith.runtime.generate import plain_generate, speculative_generate
-    from draftsmith.runtime.loading import eos_ids, load_target_and_head, validation_prompts
+    from draftsmith.runtime.loading import (eos_ids, load_target_and_head, validation_drafter, validation_max_len,
+                                            validation_prompts)
     from draftsmith.runtime.target import TargetRunner
     from draftsmith.runtime.verify import SamplingConfig
     setups, greedy = {}, SamplingConfig()
@@ -167,9 +166,9 @@ def side_by_side(recipes: dict, repeats: int = 5) -> dict:
         cfg = recipe.validate
         model, tokenizer, head, _, _ = load_target_and_head(recipe, None)
         prompts = [p.to(model.device) for p, _ in validation_prompts(recipe, tokenizer, cfg.num_prompts)]
-        max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
+        max_len = validation_max_len(recipe, prompts)
         runner = TargetRunner(model, max_len, head.config.get("draftsmith", {}).get("layer_ids", []))
-        drafter = head_spec(head.kind).drafter(head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices))
+        drafter = validation_drafter(recipe, head, max_len, model.device)
         eos = eos_ids(model, tokenizer)
         plain_generate(runner, prompts[0], 8, greedy, eos)  # warm-up
         speculative_generate(runner, drafter, prompts[0], 8, greedy, eos)

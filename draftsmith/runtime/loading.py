@@ -120,6 +120,23 @@ def load_target_and_head(recipe: Recipe, head: str | None, stage: str = "validat
     return model, tokenizer, draft_head.to(device=device, dtype=model.dtype), meta, head_path
 
 
+def validation_max_len(recipe: Recipe, prompts: list[torch.Tensor]) -> int:
+    """The runtime's cache length for decoding these prompts with `validate`'s settings (the longest prompt, its new
+    tokens and the largest tree)."""
+    cfg = recipe.validate
+    return max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
+
+
+def validation_drafter(recipe: Recipe, draft_head, max_len: int, device: torch.device):
+    """The head's drafter with `validate`'s tree, its draft step compiled where the device allows (CUDA graphs)."""
+    from draftsmith.heads.drafting import TreeConfig
+    from draftsmith.heads.registry import head_spec
+    from draftsmith.runtime.compile import step_compiler
+    cfg = recipe.validate
+    return head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices),
+                                              step_compiler("auto", device))
+
+
 def non_finite_tensors(module) -> list[str]:
     """Names of the head's tensors holding NaN or inf: verification stays lossless with such a head
     (tau 1), so exactness alone would pass it."""

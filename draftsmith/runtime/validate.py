@@ -17,13 +17,10 @@ from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
-from draftsmith.heads.drafting import TreeConfig
-from draftsmith.heads.registry import head_spec
-from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.economics import low_batch_screen
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.loading import (
-    eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_prompts)
+    eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_drafter, validation_max_len, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.timing import draft_step_cost
 from draftsmith.runtime.verify import SamplingConfig
@@ -73,7 +70,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     heldout = [p.to(device) for p, _ in chosen]
     domains = [d for _, d in chosen][:cfg.num_prompts]
     prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
-    max_len = max(len(p) for p in heldout) + cfg.max_new_tokens + cfg.num_nodes + cfg.depth * cfg.top_k + 8
+    max_len = validation_max_len(recipe, heldout)
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
     drift = None
     if draft_head.config.get("draftsmith", {}).get("joint"):  # trained jointly with the target: it runs on the fine-tuned one
@@ -84,8 +81,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
         raise ValueError(f"validate.top_k is {cfg.top_k}{' with validate.tree_choices' if cfg.tree_choices else ''}, but "
                          f"{model.config.model_type} has recurrent layers, which advance over one chain: set validate.top_k: 1 "
                          "(and no tree_choices) for this target")
-    drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes, cfg.tree_choices),
-                                                 step_compiler("auto", device))
+    drafter = validation_drafter(recipe, draft_head, max_len, device)
     calibration = None
     if hasattr(drafter, "calibrate") and cfg.tree_choices is None:
         calibration = _calibrate(drafter, runner, calibration_prompts, cfg.max_new_tokens, eos)

@@ -37,3 +37,29 @@ def test_side_by_side_refuses_a_head_whose_output_differs_from_plain(micro_pipel
 def test_the_side_by_side_speedup_is_the_one_compared():
     assert speed({"speedup_vs_plain": 1.5, "speedup_side_by_side": 1.7}) == 1.7
     assert speed({"speedup_vs_plain": 1.5}) == 1.5
+
+
+def test_the_dflash_goals_read_every_dflash_row():
+    from draftsmith.bench.__main__ import _shortfalls
+    from draftsmith.bench.heads import dflash_ratios
+
+    def row(speedup):
+        return {"speedup_vs_plain": speedup, "budget_seconds": 120.0}
+
+    def crossing(batch_size):
+        return {"crossover_batch_size": batch_size, "speedup_by_batch_size": {"1": 2.0, "128": 0.9}}
+
+    def goals(drafters, econ):
+        r = {"capture": {"compact-bf16": {"ratio_vs_specforge": 0.4, "ratio_vs_plain_forward": 1.0},
+                         "compact-fp8": {"ratio_vs_specforge": 0.2}},
+             "runtime": {"speedup_vs_hf_generate": 2.5, "speedup_vs_plain": 2.0, "tau": 5.0},
+             "drafters": drafters, "drafters_economics": econ}
+        return "\n".join(_shortfalls(r))
+    short = {"eagle3-k7": row(2.0), "dflash-b16": row(2.4), "dflash-b16+lk": row(2.5)}
+    assert dflash_ratios(short) == pytest.approx({"dflash-b16": 1.2, "dflash-b16+lk": 1.25})
+    text = goals(short, {"eagle3-k7": crossing(128), "dflash-b16": crossing(128), "dflash-b16+lk": crossing(64)})
+    assert "dflash-b16 1.20x, dflash-b16+lk 1.25x EAGLE-3's speedup at 120 s" in text
+    assert "crossover batch size: dflash-b16 128, dflash-b16+lk 64 against EAGLE-3's 128" in text
+    met = goals(short | {"dflash-b16+lk": row(2.7)}, {"eagle3-k7": crossing(128), "dflash-b16": crossing(128),
+                                                       "dflash-b16+lk": crossing(256)})
+    assert "DFlash" not in met  # 1.35x and a crossover of 256 by the LK row: both goals met

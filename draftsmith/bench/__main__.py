@@ -28,8 +28,8 @@ from draftsmith import recipe as recipe_mod
 from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
-from draftsmith.bench.heads import (DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
-                                   bench_heads, bench_medusa, render_drafters, render_heads, speed)
+from draftsmith.bench.heads import (DFLASH_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
+                                   bench_heads, bench_medusa, dflash_ratios, render_drafters, render_heads)
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
@@ -140,24 +140,23 @@ def _shortfalls(r: dict) -> list[str]:
             "layer (MLP included) and the full-vocabulary lm_head, whose CPU cost grows with the rows; n-gram lookup "
             "runs per row on the host (a fraction of a millisecond per row), as the issue allows.")
     drafters, econ = r.get("drafters") or {}, r.get("drafters_economics") or {}
-    if "dflash-b16" in drafters and "eagle3-k7" in drafters:
-        def ratio(rows: dict) -> float:
-            return speed(rows["dflash-b16"]) / speed(rows["eagle3-k7"])
-        budgets = [rows for rows in (drafters, r.get("drafters_budget") or {}) if "dflash-b16" in rows and "eagle3-k7" in rows]
-        if max(map(ratio, budgets)) < 1.3:
-            out.append("- DFlash at B = 1: " + ", ".join(
-                f"{ratio(rows):.2f}x EAGLE-3's speedup at {rows['eagle3-k7']['budget_seconds']:.0f} s of training each"
-                for rows in budgets) + " (goal 1.3x); see the parallel drafting section for the batched sweep and the second target.")
-    if "dflash-b16" in econ and (econ["dflash-b16"]["crossover_batch_size"] or 10**9) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
-        d, e = econ["dflash-b16"], econ["eagle3-k7"]
-        if d["crossover_batch_size"] is None:  # neither crosses over: the sweep cannot tell which would later
-            last = list(d["speedup_by_batch_size"])[-1]
+    budgets = [rows for rows in (drafters, r.get("drafters_budget") or {}) if dflash_ratios(rows)]
+    if budgets and max(max(dflash_ratios(rows).values()) for rows in budgets) < 1.3:
+        out.append("- DFlash at B = 1: " + "; ".join(
+            ", ".join(f"{name} {ratio:.2f}x" for name, ratio in dflash_ratios(rows).items()) +
+            f" EAGLE-3's speedup at {rows['eagle3-k7']['budget_seconds']:.0f} s of training each"
+            for rows in budgets) + " (goal 1.3x); see the parallel drafting section for the batched sweep and the second target.")
+    crossing = {name: econ[name]["crossover_batch_size"] or 10**9 for name in DFLASH_RUNS if name in econ}
+    if crossing and "eagle3-k7" in econ and max(crossing.values()) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
+        e, last = econ["eagle3-k7"], list(econ["eagle3-k7"]["speedup_by_batch_size"])[-1]
+        if e["crossover_batch_size"] is None:  # neither crosses over: the sweep cannot tell which would later
             out.append(f"- DFlash's crossover batch size: neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; "
-                       f"at B = {last} {d['speedup_by_batch_size'][last]:.2f}x against {e['speedup_by_batch_size'][last]:.2f}x), "
-                       "so a higher crossover is not shown (goal: higher).")
+                       f"at B = {last} " + ", ".join(f"{name} {econ[name]['speedup_by_batch_size'][last]:.2f}x" for name in crossing) +
+                       f" against {e['speedup_by_batch_size'][last]:.2f}x), so a higher crossover is not shown (goal: higher).")
         else:
-            out.append(f"- DFlash's crossover batch size: {d['crossover_batch_size']} against EAGLE-3's "
-                       f"{e['crossover_batch_size'] or 'none within the sweep'} (goal: higher).")
+            out.append("- DFlash's crossover batch size: " + ", ".join(
+                f"{name} {econ[name]['crossover_batch_size'] or 'none within the sweep'}" for name in crossing) +
+                f" against EAGLE-3's {e['crossover_batch_size']} (goal: higher).")
     long_points = ((r.get("long_context") or {}).get("points") or {})
     best = [p for p in long_points.values() if (p.get("32768") or {}).get("fits")]
     if long_points and not best:

@@ -375,6 +375,24 @@ def _render_second_target(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _render_sweep(r: dict, econ: dict) -> list[str]:
+    """The batched sweep of the `drafters` heads (section `drafters_economics`): best speedup per batch size, crossover."""
+    sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
+    lines = ["", "In the batched sweep (`draftsmith economics` on the same heads, all of them in one sweep "
+              "(`economics.compare`): at each B plain decoding and every head at K 3, 7 and 15 (each as many as it drafts) run in turn, twice "
+              "(`economics.repeats: 2`), the fastest run of each counting; greedy, 16 prompts repeated to fill B rows, "
+              "48 new tokens, the better K per B; speedup over plain batched decoding at the same B; "
+              f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
+              "varied by up to 1.5x within a session, a cell still moves by 0.1-0.3x between sweeps, and the non-monotone "
+              "rows show it; the heads' ratios at one B, measured minutes apart, move less):", "",
+              "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
+              "|---|" + "---|" * len(sizes) + "---|"]
+    for name, h in econ.items():
+        lines.append(f"| {name} | " + " | ".join(f"{h['speedup_by_batch_size'][b]:.2f}x" for b in sizes) +
+                     f" | {h['crossover_batch_size'] or 'none up to ' + sizes[-1]} |")
+    return lines
+
+
 def _render_drafters(r: dict, rows: dict) -> list[str]:
     drafted = len(rows.get("dflash-b16", {}).get("acceptance_per_depth", []))  # the DFlash head's draft tokens
     lines = ["## Parallel drafting (DFlash, P-EAGLE) and EAGLE 3.1 + LK against EAGLE-3 (issue #31)", "",
@@ -392,22 +410,9 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
     for name, h in rows.items():
         lines.append(f"| {name} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['trainable_parameters'] / 1e6:.2f}M | "
                      f"{h['tau']:.2f} | {h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | {_side(h)} | {h['exact']} |")
-    base = rows["eagle3-k7"]
-    econ = r.get("drafters_economics")
+    base, econ = rows["eagle3-k7"], r.get("drafters_economics")
     if econ:
-        sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
-        lines += ["", "In the batched sweep (`draftsmith economics` on the same heads, all of them in one sweep "
-                  "(`economics.compare`): at each B plain decoding and every head at K 3, 7 and 15 (each as many as it drafts) run in turn, twice "
-                  "(`economics.repeats: 2`), the fastest run of each counting; greedy, 16 prompts repeated to fill B rows, "
-                  "48 new tokens, the better K per B; speedup over plain batched decoding at the same B; "
-                  f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
-                  "varied by up to 1.5x within a session, a cell still moves by 0.1-0.3x between sweeps, and the non-monotone "
-                  "rows show it; the heads' ratios at one B, measured minutes apart, move less):", "",
-                  "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
-                  "|---|" + "---|" * len(sizes) + "---|"]
-        for name, h in econ.items():
-            lines.append(f"| {name} | " + " | ".join(f"{h['speedup_by_batch_size'][b]:.2f}x" for b in sizes) +
-                         f" | {h['crossover_batch_size'] or 'none up to ' + sizes[-1]} |")
+        lines += _render_sweep(r, econ)
     goals = []
     if "dflash-b16" in rows:
         ratio = speed(rows["dflash-b16"]) / speed(base)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout-steps", type=int, default=300)
     parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
     parser.add_argument("--budget-seconds", type=float, default=480.0,
-                        help="section drafters_budget: training wall-clock of EAGLE-3 and DFlash each")
+                        help="section drafters_budget: training wall-clock of EAGLE-3, DFlash and DFlash + LK each")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset to re-measure; the others are kept from the existing .json")
     parser.add_argument("--long-context-settings", default=None,

@@ -63,3 +63,19 @@ def test_the_dflash_goals_read_every_dflash_row():
     met = goals(short | {"dflash-b16+lk": row(2.7)}, {"eagle3-k7": crossing(128), "dflash-b16": crossing(128),
                                                        "dflash-b16+lk": crossing(256)})
     assert "DFlash" not in met  # 1.35x and a crossover of 256 by the LK row: both goals met
+
+
+def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
+    """Section drafters_economics: per head and K at B = 128, the speedup, tau and a round's draft / verify time; a K
+    a head cannot draft (blocks of 8: no K = 15) shows as '-'."""
+    from draftsmith.bench.heads import _render_sweep
+
+    def head(by_k):
+        return {"speedup_by_batch_size": {"1": 2.0, "128": 1.1}, "crossover_batch_size": None,
+                "by_k": {"1": by_k, "128": by_k}}
+    cell = {"speedup": 1.1, "tau": 3.4, "draft_ms": 12.0, "verify_ms": 37.25}
+    econ = {"eagle3-k7": head({"3": cell, "15": cell | {"speedup": 0.8}}), "dflash-b8": head({"3": cell})}
+    text = "\n".join(_render_sweep({"date": "today"}, econ))
+    assert "| drafter | K = 3 | K = 15 |" in text
+    assert "| eagle3-k7 | 1.10x, tau 3.40, 12.0 / 37.2 ms | 0.80x, tau 3.40, 12.0 / 37.2 ms |" in text
+    assert "| dflash-b8 | 1.10x, tau 3.40, 12.0 / 37.2 ms | - |" in text

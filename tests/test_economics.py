@@ -293,7 +293,7 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeyp
 def test_economics_compares_heads_in_one_sweep(tmp_path, micro_pipeline, monkeypatch):
     """`economics.compare`: other heads for the same target swept in the same batches as the recipe's head, each
     named by its run and summarised with its own kind; `economics.repeats` measures every cell that many times in
-    turn and keeps the fastest run."""
+    turn, plain decoding between the drafters."""
     import json
     import shutil
 
@@ -340,7 +340,7 @@ def test_economics_compares_heads_in_one_sweep(tmp_path, micro_pipeline, monkeyp
         assert data["drafters"]["same-weights"]["cells"][b]["2"]["tau"] == data["drafters"]["eagle3"]["cells"][b]["2"]["tau"]
     groups = {1: 3, 2: 2}  # batches that cover the 3 prompts at each batch size; per size: a warm-up batch, the
     assert calls.count("ReadingLayers") == 3 * 2 * sum(groups.values())  # the heads read the union's columns
-    assert calls.count("plain") == sum(1 + 3 * n for n in groups.values())  # plain batches, then twice: each drafter, plain
+    assert calls.count("plain") == sum(1 + 7 * n for n in groups.values())  # plain batches, then twice: each drafter, plain
     cases = {f"economics.compare=[{tmp_path / 'nowhere'}]": "is not a directory",
              f"economics.compare=[{tmp_path / 'block' / 'head'},{tmp_path / 'block' / 'head'}]": "is named 'block', which another",
              "economics.repeats=0": "economics.repeats=0"}
@@ -355,6 +355,36 @@ def test_economics_compares_heads_in_one_sweep(tmp_path, micro_pipeline, monkeyp
     for override, message in cases.items():
         with pytest.raises(ValueError, match=message):
             run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over[:-1], override), out=str(tmp_path / "x"))
+
+
+def test_a_cells_speedup_is_paired_with_the_plain_runs_beside_it(tmp_path, micro_pipeline, monkeypatch):
+    """On a machine that slows down run after run, a drafter twice as fast as plain decoding at every moment measures
+    2x: each speculative run is set against the plain runs on either side of it, not against plain decoding's fastest
+    run, which came earlier on a faster machine (that ratio would be below 2)."""
+    import json
+
+    from conftest import micro_recipe
+
+    from draftsmith.runtime import sweep as sweep_mod
+    from draftsmith.runtime.sweep import run_economics
+    recipe = micro_pipeline
+    real, clock = sweep_mod.batched_generate, []
+
+    def drifting(runner, prompts, max_new, cfg, eos, drafter=None):
+        result = real(runner, prompts, max_new, cfg, eos, drafter)
+        clock.append(drafter)  # the machine is 10% slower at each call; a speculative run takes half plain's time
+        result.seconds = (0.5 if drafter is not None else 1.0) * (1 + 0.1 * len(clock))
+        return result
+    monkeypatch.setattr(sweep_mod, "batched_generate", drifting)
+    over = ["economics.batch_sizes=[3]", "economics.num_speculative_tokens=[2]", "economics.max_new_tokens=8",
+            "economics.num_prompts=3", "economics.baselines=[]", "economics.repeats=3"]
+    run_economics(micro_recipe(recipe.out_dir, recipe.target.model, *over), out=str(tmp_path / "econ"))
+    data = json.loads((tmp_path / "econ" / "economics.json").read_text())
+    plain = data["plain"]["3"]["tokens_per_s"]
+    for k, cell in data["drafters"]["eagle3"]["cells"]["3"].items():
+        assert cell["num_exact_rows"] == cell["num_rows"] and cell["tokens_per_s"] / plain == pytest.approx(2.0), k
+        assert cell["speedup"] == pytest.approx(2.0) and cell["measured_tokens_per_s"] / plain < 1.9, k
+    assert data["drafters"]["eagle3"]["crossover_batch_size"] is None
 
 
 def test_economics_bad_input_is_named(tmp_path):

@@ -36,6 +36,9 @@ DRAFTER_RUNS = {  # issue #31: block drafting and EAGLE 3.1 / LK next to EAGLE-3
                                                               "head.objective=lk_lambda"]),
     "dflash-b16": ("recipes/demo/stdlib-code-dflash.yaml", []),
     "dflash-b16+lk": ("recipes/demo/stdlib-code-dflash.yaml", ["head.objective=lk_lambda"]),
+    # blocks of 8 (7 draft tokens): at large batch sizes the sweep's best K is 3 or 7, slots a shorter block trains more
+    "dflash-b8": ("recipes/demo/stdlib-code-dflash.yaml", ["head.block_size=8", "head.num_anchors=16", "head.loss_gamma=3",
+                                                           "validate.depth=7", "validate.num_nodes=8"]),
     "peagle": ("recipes/demo/stdlib-code-peagle.yaml", []),
 }
 
@@ -63,8 +66,8 @@ def bench_drafters_qwen3(recipe_path: str, overrides: list[str], seconds: float,
     return {name: {**row, "target": f"qwen3 (hidden 128, 8 layers) trained {target_steps} steps"} for name, row in out.items()}
 
 
-DFLASH_RUNS = ("dflash-b16", "dflash-b16+lk")  # the DFlash rows the goals (1.3x EAGLE-3's speedup, a higher crossover) read
-BUDGET_RUNS = {name: DRAFTER_RUNS[name] for name in ("eagle3-k7", *DFLASH_RUNS)}
+DFLASH_RUNS = ("dflash-b16", "dflash-b16+lk", "dflash-b8")  # the DFlash rows the goals (1.3x EAGLE-3's speedup, a higher crossover) read
+BUDGET_RUNS = {name: DRAFTER_RUNS[name] for name in ("eagle3-k7", "dflash-b16", "dflash-b16+lk")}
 
 
 def bench_drafters_budget(data_recipe, overrides: list[str], seconds: float) -> dict:
@@ -81,8 +84,9 @@ ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.nu
 def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
     """One batched sweep (`draftsmith economics`, greedy, K 3, 7 and 15: DFlash drafts 15 in one forward) of every
     head the `drafters` section trained: EAGLE-3's recipe with the others under `economics.compare`, so that at each
-    batch size every head and plain decoding run back to back, twice, the faster run counting. Per head: the best speedup over plain batched
-    decoding per batch size, the crossover, c at B = 1."""
+    batch size every head runs twice in turn with plain decoding between the heads (a cell's speedup is over the plain runs
+    beside it). Per head: the best speedup over plain batched decoding per batch size, the crossover, c at B = 1, and
+    per batch size and K the speedup, tau and a round's draft and verify milliseconds (`by_k`)."""
     from draftsmith.runtime.sweep import run_economics
     runs = {name: recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}"])
             for name, (path, extra) in DRAFTER_RUNS.items()}
@@ -101,7 +105,10 @@ def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
                 for b in e["batch_sizes"]}
         out[names[key]] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
                            "best_k": head["best_k"], "tau_by_batch_size": {str(b): head["cells"][str(b)][str(head["best_k"][str(b)] or 7)]["tau"]
-                                                                           for b in e["batch_sizes"]}}
+                                                                           for b in e["batch_sizes"]},
+                           "by_k": {str(b): {k: {"speedup": c["tokens_per_s"] / e["plain"][str(b)]["tokens_per_s"], "tau": c["tau"],
+                                                 "draft_ms": c["draft_ms_per_round"], "verify_ms": 1e3 * c["verify_seconds"] / c["num_rounds"]}
+                                             for k, c in head["cells"][str(b)].items()} for b in e["batch_sizes"]}}
         print(f"[bench] {names[key]} economics: {out[names[key]]}", flush=True)
     return out
 
@@ -380,16 +387,29 @@ def _render_sweep(r: dict, econ: dict) -> list[str]:
     sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
     lines = ["", "In the batched sweep (`draftsmith economics` on the same heads, all of them in one sweep "
               "(`economics.compare`): at each B plain decoding and every head at K 3, 7 and 15 (each as many as it drafts) run in turn, twice "
-              "(`economics.repeats: 2`), the fastest run of each counting; greedy, 16 prompts repeated to fill B rows, "
-              "48 new tokens, the better K per B; speedup over plain batched decoding at the same B; "
+              "(`economics.repeats: 2`), plain decoding between the heads; greedy, 16 prompts repeated to fill B rows, "
+              "48 new tokens, the better K per B; speedup over the plain batched runs beside each run at the same B (the "
+              "median of the two); "
               f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
-              "varied by up to 1.5x within a session, a cell still moves by 0.1-0.3x between sweeps, and the non-monotone "
+              "varied by up to 1.5x within a session, a cell still moves between sweeps, and the non-monotone "
               "rows show it; the heads' ratios at one B, measured minutes apart, move less):", "",
               "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
               "|---|" + "---|" * len(sizes) + "---|"]
     for name, h in econ.items():
         lines.append(f"| {name} | " + " | ".join(f"{h['speedup_by_batch_size'][b]:.2f}x" for b in sizes) +
                      f" | {h['crossover_batch_size'] or 'none up to ' + sizes[-1]} |")
+    at = "128" if "128" in sizes else sizes[-1]
+    if all("by_k" in h for h in econ.values()):
+        ks = sorted({int(k) for h in econ.values() for k in h["by_k"][at]})
+        lines += ["", f"Per K at B = {at} (where the crossover is decided on this machine): speedup, tau, and a round's draft / "
+                  "verify milliseconds. On a 2-core CPU a forward's cost grows with the tokens it computes from B = 64 on, so "
+                  "DFlash's one block forward costs about what EAGLE-3's K steps do, and tau at the same K decides:", "",
+                  "| drafter | " + " | ".join(f"K = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+        for name, h in econ.items():
+            cells = h["by_k"][at]
+            lines.append(f"| {name} | " + " | ".join(
+                f"{c['speedup']:.2f}x, tau {c['tau']:.2f}, {c['draft_ms']:.1f} / {c['verify_ms']:.1f} ms" if (c := cells.get(str(k))) else "-"
+                for k in ks) + " |")
     return lines
 
 

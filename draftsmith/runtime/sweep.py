@@ -124,28 +124,44 @@ class Sweep:
         return [[(g * batch_size + j) % len(self.prompts) for j in range(batch_size)] for g in range(count)]
 
     def run_batch(self, batch_size: int, drafters: dict, ks: dict[str, list[int]]) -> dict:
+        """Every drafter's cells at one batch size. Plain decoding runs between the drafters (before the first, after
+        each), so every speculative run has a plain run on either side: its speedup is its tokens/s over theirs, and a
+        cell's is the median over `repeats` (a shared machine that slows or speeds up between runs moves a run and
+        the plain runs beside it alike). A cell's `tokens_per_s` is that speedup times plain decoding's fastest run
+        at this batch size; `measured_tokens_per_s` keeps its own fastest run."""
         groups = self._groups(batch_size)
         runner = BatchRunner(self.model, batch_size, self.max_len, self.layer_ids)
         greedy = SamplingConfig()
         batched_generate(runner, [self.prompts[i] for i in groups[0]], 4, greedy, self.eos)  # warm-up
         plains = self._plain(runner, groups)
-        fastest = _cell(plains)
+        before = fastest = _cell(plains)
         out = {name: {} for name in drafters}
+        ratios: dict[tuple[str, int], list[float]] = {}
         for repeat in range(self.repeats):  # every setting in turn, then again in reverse order: a slow spell, or a
             # machine that slows as a batch size's caches pile up, hits no drafter's every run
             for name, factory in (list(drafters.items()) if repeat % 2 == 0 else list(drafters.items())[::-1]):
+                runs = []
                 for k in ks[name]:
                     drafter = self._drafter(name, factory, k, batch_size)
                     results = [batched_generate(runner, [self.prompts[i] for i in g], self.max_new_tokens, greedy, self.eos,
                                                 drafter) for g in groups]
                     cell = _cell(results, plains)
+                    runs.append((k, cell["tokens_per_s"]))
                     if k not in out[name] or cell["seconds"] < out[name][k]["seconds"]:
                         out[name][k] = cell
                     if repeat == 0 and k == max(ks[name]):
                         self._collect(name, results, groups)
-            # plain decoding is every drafter's denominator at this batch size: measured before and after
-            # the drafters, the fastest run counts (one noisy baseline would flip every K decision here)
-            fastest = min(fastest, _cell(self._plain(runner, groups)), key=lambda c: c["seconds"])
+                after = _cell(self._plain(runner, groups))
+                plain_tps = 2 * after["num_tokens"] / (before["seconds"] + after["seconds"])  # the runs on either side
+                for k, tokens_per_s in runs:
+                    ratios.setdefault((name, k), []).append(tokens_per_s / plain_tps)
+                fastest = min(fastest, after, key=lambda c: c["seconds"])
+                before = after
+        for name in drafters:
+            for k, cell in out[name].items():
+                runs = sorted(ratios[(name, k)])
+                speedup = (runs[(len(runs) - 1) // 2] + runs[len(runs) // 2]) / 2
+                cell.update(speedup=speedup, measured_tokens_per_s=cell["tokens_per_s"], tokens_per_s=speedup * fastest["tokens_per_s"])
         out["plain"] = fastest
         return out
 

@@ -63,6 +63,10 @@ def test_the_dflash_goals_read_every_dflash_row():
     met = goals(short | {"dflash-b16+lk": row(2.7)}, {"eagle3-k7": crossing(128), "dflash-b16": crossing(128),
                                                        "dflash-b16+lk": crossing(256)})
     assert "DFlash" not in met  # 1.35x and a crossover of 256 by the LK row: both goals met
+    beyond = goals(short, {"eagle3-k7": crossing(None), "dflash-b16": crossing(128), "dflash-b16+lk": crossing(64)})
+    assert "dflash-b16 128, dflash-b16+lk 64 against EAGLE-3's none within the sweep (B <= 128)" in beyond
+    neither = goals(short, {"eagle3-k7": crossing(None), "dflash-b16": crossing(128), "dflash-b16+lk": crossing(None)})
+    assert "neither DFlash nor EAGLE-3 crosses over within the sweep" in neither
 
 
 def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
@@ -79,3 +83,22 @@ def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
     assert "| drafter | K = 3 | K = 15 |" in text
     assert "| eagle3-k7 | 1.10x, tau 3.40, 12.0 / 37.2 ms | 0.80x, tau 3.40, 12.0 / 37.2 ms |" in text
     assert "| dflash-b8 | 1.10x, tau 3.40, 12.0 / 37.2 ms | - |" in text
+
+
+def _fails():
+    raise ValueError("the job failed")
+
+
+def _writes(path):
+    from pathlib import Path
+    Path(path).write_text("done")
+
+
+def test_a_job_in_a_fresh_process_runs_and_its_failure_is_raised(tmp_path):
+    """The drafters' sweep runs in a process of its own (`in_fresh_process`): its work lands, and a failure there
+    stops the bench instead of passing unnoticed."""
+    from draftsmith.bench.heads import in_fresh_process
+    in_fresh_process(_writes, str(tmp_path / "out"))
+    assert (tmp_path / "out").read_text() == "done"
+    with pytest.raises(RuntimeError, match="_fails failed in its own process"):
+        in_fresh_process(_fails)

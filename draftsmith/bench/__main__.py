@@ -150,14 +150,14 @@ def _shortfalls(r: dict) -> list[str]:
     crossing = {name: econ[name]["crossover_batch_size"] or 10**9 for name in DFLASH_RUNS if name in econ}
     if crossing and "eagle3-k7" in econ and max(crossing.values()) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
         e, last = econ["eagle3-k7"], list(econ["eagle3-k7"]["speedup_by_batch_size"])[-1]
-        if e["crossover_batch_size"] is None:  # neither crosses over: the sweep cannot tell which would later
+        if e["crossover_batch_size"] is None and max(crossing.values()) == 10**9:  # neither crosses: the sweep cannot tell
             out.append(f"- DFlash's crossover batch size: neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; "
                        f"at B = {last} " + ", ".join(f"{name} {econ[name]['speedup_by_batch_size'][last]:.2f}x" for name in crossing) +
                        f" against {e['speedup_by_batch_size'][last]:.2f}x), so a higher crossover is not shown (goal: higher).")
         else:
             out.append("- DFlash's crossover batch size: " + ", ".join(
                 f"{name} {econ[name]['crossover_batch_size'] or 'none within the sweep'}" for name in crossing) +
-                f" against EAGLE-3's {e['crossover_batch_size']} (goal: higher).")
+                f" against EAGLE-3's {e['crossover_batch_size'] or f'none within the sweep (B <= {last})'} (goal: higher).")
     long_points = ((r.get("long_context") or {}).get("points") or {})
     best = [p for p in long_points.values() if (p.get("32768") or {}).get("fits")]
     if long_points and not best:

@@ -118,12 +118,11 @@ def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
     names = {e["kind"]: base} | {runs[name].run_dir.name: name for name in others}
     out = {}
     for key, head in e["drafters"].items():
-        best = {str(b): max(cell["tokens_per_s"] for cell in head["cells"][str(b)].values()) / e["plain"][str(b)]["tokens_per_s"]
-                for b in e["batch_sizes"]}
+        best = {str(b): max(cell["speedup"] for cell in head["cells"][str(b)].values()) for b in e["batch_sizes"]}
         out[names[key]] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
                            "best_k": head["best_k"], "tau_by_batch_size": {str(b): head["cells"][str(b)][str(head["best_k"][str(b)] or 7)]["tau"]
                                                                            for b in e["batch_sizes"]},
-                           "by_k": {str(b): {k: {"speedup": c["tokens_per_s"] / e["plain"][str(b)]["tokens_per_s"], "tau": c["tau"],
+                           "by_k": {str(b): {k: {"speedup": c["speedup"], "tau": c["tau"],
                                                  "draft_ms": c["draft_ms_per_round"], "verify_ms": 1e3 * c["verify_seconds"] / c["num_rounds"]}
                                              for k, c in head["cells"][str(b)].items()} for b in e["batch_sizes"]}}
         print(f"[bench] {names[key]} economics: {out[names[key]]}", flush=True)

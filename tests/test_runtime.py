@@ -12,7 +12,7 @@ from draftsmith.heads.tree import Tree, ancestor_mask, assemble_tree, chain_tree
 from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
-from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_sampling
+from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_greedy_rows, verify_sampling
 from conftest import two_token_total_variation
 
 GREEDY = SamplingConfig()
@@ -251,6 +251,37 @@ def test_greedy_verify_on_hand_built_tree():
     logits[0, 4], logits[0, 5], logits[1, 6], logits[3, 8] = 9, 5, 5, 5
     path, bonus = verify_greedy(tree, logits)
     assert path.tolist() == [0, 1, 3] and bonus.item() == 8
+
+
+def test_greedy_verification_of_a_batch_matches_each_rows_own():
+    """The batched runtime verifies every row's padded tree in one pass (`verify_greedy_rows`): the same accepted path
+    and bonus token as `verify_greedy` on each tree alone, for trees and chains of different sizes, padding after each
+    row's own nodes (whose tokens would match the target if padding were read), drafts that are all accepted and none."""
+    from draftsmith.runtime.batched import pad_trees
+    gen = torch.Generator().manual_seed(0)
+    V, trees, logits = 5, [], []
+    for b in range(40):
+        n = 1 + b % 9
+        parent = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+        if b % 3 == 0:
+            parent = torch.arange(-1, n - 1)                                            # a chain
+        depth = torch.zeros(n, dtype=torch.long)
+        for i in range(1, n):
+            depth[i] = depth[parent[i]] + 1
+        row_logits = torch.randn(12, V, generator=gen)
+        tokens = torch.randint(0, V, (n,), generator=gen)
+        if b % 4 == 1:                                                                   # the target agrees with every draft
+            tokens[1:] = row_logits[parent[1:]].argmax(-1)
+        trees.append(Tree(tokens, parent, depth, ancestor_mask(parent, depth)))
+        logits.append(row_logits)
+    padded = pad_trees(trees, "cpu", num_nodes=12)
+    logits_BNV = torch.stack(logits)
+    logits_BNV[:, :, 0] += 3 * (torch.arange(12) >= padded[4][:, None])                # padding: token 0 would match
+    paths, counts, bonus = verify_greedy_rows(*padded[:1], padded[3], padded[1], padded[2], padded[4], logits_BNV)
+    assert len(set(counts.tolist())) > 3 and counts.max() > 4
+    for b, tree in enumerate(trees):
+        path, token = verify_greedy(tree, logits_BNV[b, :len(tree)])
+        assert paths[b, :counts[b]].tolist() == path.tolist() and int(bonus[b]) == int(token), b
 
 
 @pytest.mark.slow

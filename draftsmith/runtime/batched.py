@@ -18,7 +18,7 @@ import torch
 from draftsmith.heads.tree import Tree, chain_tree
 from draftsmith.runtime.generate import _finish, _sync
 from draftsmith.runtime.target import TargetRunner, layer_states
-from draftsmith.runtime.verify import SamplingConfig, sample_token, verify
+from draftsmith.runtime.verify import SamplingConfig, sample_token, verify, verify_greedy_rows
 
 
 class BatchRunner(TargetRunner):
@@ -73,21 +73,21 @@ class BatchRunner(TargetRunner):
     def commit_rows(self, paths: list[torch.Tensor]) -> None:
         """Row b keeps the KV of `paths[b]` (indices into the last forward's N nodes; may be empty); on a
         recurrent target, the states after its last kept node (`_keep_states`)."""
-        if self.recurrent:
-            self._keep_states([len(p) for p in paths])
-        self._commit_kv(paths)
+        self.commit_padded(pad_paths(paths, self.device), [len(p) for p in paths])
 
-    def _commit_kv(self, paths: list[torch.Tensor]) -> None:
+    def commit_padded(self, paths_BA: torch.Tensor, counts: list[int]) -> None:
+        """`commit_rows` with the paths as one tensor: row b keeps the nodes paths_BA[b, :counts[b]] (the rest of the
+        row, any node indices, lands past its new length and is never read)."""
+        if self.recurrent:
+            self._keep_states(counts)
+        self._commit_kv(paths_BA, counts)
+
+    def _commit_kv(self, paths_BA: torch.Tensor, counts: list[int]) -> None:
         """Copy each row's kept nodes from the scratch block down to its committed length."""
-        A = max(len(p) for p in paths)
+        A = max(counts)
         if A == 0:
             return
-        src = torch.zeros(self.batch_size, A, dtype=torch.long, device=self.device)
-        for b, path in enumerate(paths):
-            if len(path):
-                src[b, :len(path)] = path
-                src[b, len(path):] = path[-1]  # padding copies land past the row's new length: never read
-        src = src + self.scratch
+        src = paths_BA[:, :A] + self.scratch
         dst = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(A, device=self.device)
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is None:  # recurrent and MLP-only layers keep no KV
@@ -96,7 +96,7 @@ class BatchRunner(TargetRunner):
                 H, D = cache.shape[1], cache.shape[3]
                 kept = cache.gather(2, src[:, None, :, None].expand(-1, H, -1, D))
                 cache.scatter_(2, dst[:, None, :, None].expand(-1, H, -1, D), kept)
-        self.lengths = [n + len(p) for n, p in zip(self.lengths, paths)]
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     def _run_rows(self, chains: list[torch.Tensor]):
         """Run row b over `chains[b]` from its current state and commit exactly those tokens: a recurrent
@@ -116,7 +116,8 @@ class BatchRunner(TargetRunner):
             self._snapshot = None
             outputs.append((logits, features))
             arange = torch.arange(n, device=self.device)
-            self._commit_kv([arange if length >= end else arange[:0] for length in lengths])
+            kept_now = [n if length >= end else 0 for length in lengths]
+            self._commit_kv(arange.expand(self.batch_size, n), kept_now)
             kept[end] = self._all_states()
             start = end
         for i, layer in self.recurrent.items():
@@ -159,17 +160,50 @@ def batch_max_len(prompts: list[torch.Tensor], max_new_tokens: int, num_nodes: i
     return max(len(p) for p in prompts) + max_new_tokens + 2 * num_nodes + 1
 
 
-def pad_trees(trees: list[Tree], device, num_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, N] tokens and depths and [B, N, N] ancestor masks, N = max(num_nodes, largest tree);
-    padding nodes see only themselves."""
+def pad_trees(trees: list[Tree], device, num_nodes: int = 1):
+    """(tokens, depths [B, N], ancestor masks [B, N, N], parents [B, N], tree sizes [B]), N = max(num_nodes, largest
+    tree); padding nodes see only themselves."""
     N = max([num_nodes] + [len(t) for t in trees])
     tokens = torch.zeros(len(trees), N, dtype=torch.long, device=device)
     depth = torch.zeros(len(trees), N, dtype=torch.long, device=device)
+    parent = torch.full((len(trees), N), -1, dtype=torch.long, device=device)
     mask = torch.eye(N, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
     for b, tree in enumerate(trees):
         n = len(tree)
-        tokens[b, :n], depth[b, :n], mask[b, :n, :n] = tree.tokens_N, tree.depth_N, tree.mask_NN
-    return tokens, depth, mask
+        tokens[b, :n], depth[b, :n], mask[b, :n, :n], parent[b, :n] = tree.tokens_N, tree.depth_N, tree.mask_NN, tree.parent_N
+    return tokens, depth, mask, parent, torch.tensor([len(t) for t in trees], device=device)
+
+
+def root_nodes(roots_B: torch.Tensor):
+    """`pad_trees` of one-node trees (plain decoding's round), built for the batch at once."""
+    B, device = len(roots_B), roots_B.device
+    return (roots_B[:, None], torch.zeros(B, 1, dtype=torch.long, device=device), torch.ones(B, 1, 1, dtype=torch.bool, device=device),
+            torch.full((B, 1), -1, dtype=torch.long, device=device), torch.ones(B, dtype=torch.long, device=device))
+
+
+def pad_paths(paths: list[torch.Tensor], device) -> torch.Tensor:
+    """[B, A] node indices, row b's path left-aligned and its tail repeating the path's last node (0 when empty)."""
+    src = torch.zeros(len(paths), max([len(p) for p in paths] + [1]), dtype=torch.long, device=device)
+    for b, path in enumerate(paths):
+        if len(path):
+            src[b, :len(path)] = path
+            src[b, len(path):] = path[-1]
+    return src
+
+
+def _verdicts(padded, trees: list[Tree] | None, logits_BNV, sampling, gen, done: list[bool]):
+    """(accepted node paths [B, A], counts [B] list, bonus tokens [B]) of a round over the `pad_trees` of `trees` (None:
+    plain decoding's one-node trees); finished rows keep nothing. Greedy verifies every row in one pass
+    (`verify_greedy_rows`), sampling row by row (`verify`, which reads a tree's proposals)."""
+    tokens, depth, mask, parent, sizes = padded
+    if sampling.greedy:
+        paths, counts, bonus = verify_greedy_rows(tokens, parent, depth, mask, sizes, logits_BNV)
+        return paths, [0 if d else c for c, d in zip(counts.tolist(), done)], bonus
+    trees = trees or [chain_tree(root, root.view(1)[:0]) for root in tokens[:, 0]]
+    verdicts = [None if done[b] else verify(tree, logits_BNV[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
+    bonus = torch.stack([tokens[b, 0] if v is None else v[1] for b, v in enumerate(verdicts)])
+    paths = [tokens.new_zeros(0) if v is None else v[0] for v in verdicts]
+    return pad_paths(paths, tokens.device), [len(p) for p in paths], bonus
 
 
 def _start_drafter(drafter, prompts, roots, features, sampling, gen) -> None:
@@ -205,30 +239,37 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
     result = BatchResult(tokens, 0.0, ttft, [ttft] * len(prompts), [[] for _ in prompts])
     # one verify shape per run (CUDA graphs capture fixed shapes), even when drafts come up short
     num_nodes = drafter.tree_cfg.num_nodes if drafter is not None else 1
+    roots = torch.stack(roots)
     while not all(done):
         t0 = time.perf_counter()
-        drafted = drafter.draft_trees(torch.stack(roots)) if drafter is not None else None
-        trees = [chain_tree(root, root.view(1)[:0]) if done[b] or drafted is None else drafted[b] for b, root in enumerate(roots)]
+        if drafter is None:
+            trees, padded = None, root_nodes(roots)
+        else:
+            drafted = drafter.draft_trees(roots)
+            trees = [chain_tree(root, root.view(1)[:0]) if done[b] else drafted[b] for b, root in enumerate(roots)]
+            padded = pad_trees(trees, target.device, num_nodes)
         t1 = time.perf_counter()
-        logits, features, _ = target.forward(*pad_trees(trees, target.device, num_nodes))
-        verdicts = [None if done[b] else verify(tree, logits[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
-        target.commit_rows([v[0] if v else roots[0].new_zeros(0) for v in verdicts])
+        logits, features, _ = target.forward(*padded[:3])
+        paths, counts, bonus = _verdicts(padded, trees, logits, sampling, gen, done)
+        target.commit_padded(paths, counts)
         result.draft_seconds += t1 - t0
         result.verify_seconds += time.perf_counter() - t1
         result.num_rounds += 1
+        # row b's committed tokens: its accepted drafts, then the bonus token
+        kept = torch.cat([padded[0].gather(1, paths)[:, 1:], bonus[:, None]], dim=1)
+        kept.scatter_(1, (torch.tensor(counts, device=kept.device) - 1).clamp(min=0)[:, None], bonus[:, None])
+        kept_rows, was_done = kept.tolist(), list(done)
         extend = ([], [], [])
-        for b, verdict in enumerate(verdicts):
-            if verdict is None:
+        for b, n in enumerate(counts):
+            if was_done[b]:
                 continue
-            path, bonus = verdict
-            accepted = trees[b].tokens_N[path[1:]]
-            result.accept_lengths[b].append(len(path) - 1)
-            tokens[b], done[b] = _finish(tokens[b], accepted.tolist() + [int(bonus)], eos_ids, max_new_tokens)
+            result.accept_lengths[b].append(n - 1)
+            tokens[b], done[b] = _finish(tokens[b], kept_rows[b][:n], eos_ids, max_new_tokens)
             result.finish_seconds[b] = time.perf_counter() - start
             if not done[b]:
-                for store, value in zip(extend, (b, torch.cat([accepted, bonus.view(1)]), features[b, path])):
+                for store, value in zip(extend, (b, kept[b, :n], features[b, paths[b, :n]])):
                     store.append(value)
-            roots[b] = bonus
+        roots = torch.where(torch.tensor(was_done, device=roots.device), roots, bonus)
         if drafter is not None and extend[0]:  # committing is the draft's work too
             t2 = time.perf_counter()
             drafter.extend_rows(*extend)

@@ -75,6 +75,27 @@ def verify_greedy(tree: Tree, logits_NV: torch.Tensor) -> tuple[torch.Tensor, to
     return path, argmax[best]
 
 
+def verify_greedy_rows(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, depth_BN: torch.Tensor, mask_BNN: torch.Tensor,
+                       sizes_B: torch.Tensor, logits_BNV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_greedy` for a batch of padded trees in one pass (row b's first sizes_B[b] nodes are its tree): (accepted
+    node indices [B, A] root first, each row's left-aligned and its tail filled with other node indices, their counts
+    [B], bonus tokens [B]). The same paths and tokens as `verify_greedy` row by row, without a host step per row."""
+    B, N = tokens_BN.shape
+    argmax = logits_BNV.argmax(-1)
+    parent = parent_BN.clamp(min=0)
+    nodes = torch.arange(N, device=tokens_BN.device)
+    match = (tokens_BN == argmax.gather(1, parent)) & (nodes < sizes_B[:, None])
+    match[:, 0] = True
+    accepted = match.clone()
+    for _ in range(N - 1):
+        accepted = match & accepted.gather(1, parent)
+    best = torch.argmax(accepted.long() * (depth_BN + 1), dim=1)
+    on_path = mask_BNN[torch.arange(B, device=best.device), best]                       # [B, N]
+    counts = on_path.sum(1)
+    order = torch.sort(torch.where(on_path, nodes, nodes + N), dim=1).indices          # path nodes first, ascending
+    return order[:, :int(counts.max())], counts, argmax.gather(1, best[:, None]).squeeze(1)
+
+
 def _try_children(tree: Tree, node: int, probs: torch.Tensor, gen) -> tuple[int | None, torch.Tensor]:
     """Rejection over `node`'s children in order: (accepted child or None, what is left of p)."""
     row = -1 if tree.proposal_RV is None else int(tree.child_proposal_N[node])

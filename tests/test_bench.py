@@ -72,7 +72,7 @@ def test_the_dflash_goals_read_every_dflash_row():
 def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
     """Section drafters_economics: per head and K at B = 128, the speedup, tau and a round's draft / verify time; a K
     a head cannot draft (blocks of 8: no K = 15) shows as '-'."""
-    from draftsmith.bench.heads import _render_sweep
+    from draftsmith.bench.heads import PLAIN_BASELINE, _render_sweep
 
     def head(by_k):
         return {"speedup_by_batch_size": {"1": 2.0, "128": 1.1}, "crossover_batch_size": None,
@@ -83,6 +83,9 @@ def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
     assert "| drafter | K = 3 | K = 15 |" in text
     assert "| eagle3-k7 | 1.10x, tau 3.40, 12.0 / 37.2 ms | 0.80x, tau 3.40, 12.0 / 37.2 ms |" in text
     assert "| dflash-b8 | 1.10x, tau 3.40, 12.0 / 37.2 ms | - |" in text
+    assert "Measured before plain batched decoding lost its per-row host steps" in text  # rows without the one-pass baseline
+    current = {name: h | {"plain_baseline": PLAIN_BASELINE} for name, h in econ.items()}
+    assert "Measured before" not in "\n".join(_render_sweep({"date": "today"}, current))
 
 
 def _fails():

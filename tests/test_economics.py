@@ -251,6 +251,7 @@ def test_economics_sweep_report_and_model_card(tmp_path, micro_pipeline, monkeyp
     data = json.loads((tmp_path / "econ" / "economics.json").read_text())
     assert (tmp_path / "draft" / "manifest.json").exists()          # the embedded draft model was built on first use
     assert data["batch_sizes"] == [1, 2, 64] and set(data["drafters"]) == {"eagle3", "ngram", "draft-model"}
+    assert data["plain_baseline"] == sweep_mod.PLAIN_BASELINE       # sweeps before the one-pass plain baseline read as such
     for name, d in data["drafters"].items():
         assert d["exact_rows"] == d["rows"] > 0, name
         grid = {int(b): {0: data["plain"][b]["tokens_per_s"]} | {int(k): c["tokens_per_s"] for k, c in cells.items()}

@@ -8,6 +8,7 @@ import time
 from draftsmith import recipe as recipe_mod
 from draftsmith.bench.common import link_data
 from draftsmith.heads.hf_layout import drift_summary
+from draftsmith.runtime.sweep import PLAIN_BASELINE
 
 
 HEAD_RUNS = {  # name -> (recipe, overrides); compared at the same training wall-clock
@@ -119,7 +120,8 @@ def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
     out = {}
     for key, head in e["drafters"].items():
         best = {str(b): max(cell["speedup"] for cell in head["cells"][str(b)].values()) for b in e["batch_sizes"]}
-        out[names[key]] = {"speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
+        out[names[key]] = {"plain_baseline": PLAIN_BASELINE,
+                           "speedup_by_batch_size": best, "crossover_batch_size": head["crossover_batch_size"], "c": head["c"],
                            "best_k": head["best_k"], "tau_by_batch_size": {str(b): head["cells"][str(b)][str(head["best_k"][str(b)] or 7)]["tau"]
                                                                            for b in e["batch_sizes"]},
                            "by_k": {str(b): {k: {"speedup": c["speedup"], "tau": c["tau"],
@@ -414,6 +416,11 @@ def _render_sweep(r: dict, econ: dict) -> list[str]:
     for name, h in econ.items():
         lines.append(f"| {name} | " + " | ".join(f"{h['speedup_by_batch_size'][b]:.2f}x" for b in sizes) +
                      f" | {h['crossover_batch_size'] or 'none up to ' + sizes[-1]} |")
+    if any(h.get("plain_baseline") != PLAIN_BASELINE for h in econ.values()):
+        lines += ["", "Measured before plain batched decoding lost its per-row host steps (a tree, a verification and a path "
+                  "per row, every step: a third of a plain run at B = 512): every speedup from B = 64 on is overstated, and so "
+                  "are the crossovers. README (\"Plain batched decoding without per-row host steps\") has the sweep since: "
+                  "EAGLE-3 and DFlash both cross over at 32 on a 2-core CPU."]
     at = "128" if "128" in sizes else sizes[-1]
     if all("by_k" in h for h in econ.values()):
         ks = sorted({int(k) for h in econ.values() for k in h["by_k"][at]})

@@ -1,6 +1,8 @@
 """Batched speculative decoding: B sequences in lockstep over one static cache, each row with its
 own committed length, its own draft tree (padded to the batch's largest) and its own accepted path,
-verified in one target forward per round. Plain batched decoding is the same loop with one-node trees.
+verified in one target forward per round. Plain batched decoding is the same loop with one-node trees, built for the
+whole batch at once; greedy verification checks every row's tree in one pass (`verify_greedy_rows`), so that neither
+pays a host step per row (sampling verifies row by row).
 
 Cache layout per round: every row's tree KV is written at one shared scratch offset S = max(lengths)
 (the static cache writes all rows at the same slots); row b attends to its committed [0, length_b)

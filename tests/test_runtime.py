@@ -304,3 +304,24 @@ def test_rounds_are_bucketed_by_the_position_they_drafted_at():
     buckets = V._by_position([[3, 3], [0]], [torch.zeros(125), torch.zeros(600)], depth=4)
     assert buckets["0-127"]["num_rounds"] == 1 and buckets["128-511"]["num_rounds"] == 1   # at 125, then 125 + 4
     assert buckets["512-2047"]["tau"] == 1.0 and list(buckets) == ["0-127", "128-511", "512-2047"]
+
+
+def test_chains_pad_for_the_batch_as_their_trees_do():
+    """Chain drafters hand the batched runtime `Chains` (every row's [root, drafts] as one tensor); `pad_chains` gives
+    what `pad_trees` gives for the same chains, with a finished row verifying its root alone."""
+    from draftsmith.heads.tree import Chains
+    from draftsmith.runtime.batched import pad_chains, pad_trees
+    roots, drafts = torch.tensor([4, 8, 1]), torch.tensor([[5, 6, 7], [9, 2, 3], [0, 4, 4]])
+    chains = Chains(roots, drafts)
+    assert len(chains) == 3 and [t.tokens_N.tolist() for t in chains] == [[4, 5, 6, 7], [8, 9, 2, 3], [1, 0, 4, 4]]
+    done = [False, True, False]
+    trees = [chain_tree(roots[b], drafts[b][:0]) if done[b] else chains[b] for b in range(3)]
+    fast, slow = pad_chains(chains.tokens_BN, done, num_nodes=6), pad_trees(trees, "cpu", num_nodes=6)
+    assert fast[4].tolist() == slow[4].tolist() == [4, 1, 4]
+    live = [0, 2]
+    for got, want in zip(fast[:4], slow[:4]):
+        assert torch.equal(got[live], want[live])
+    logits = torch.randn(3, 6, 10)
+    for got, want in zip(verify_greedy_rows(*fast[:1], fast[3], fast[1], fast[2], fast[4], logits),
+                         verify_greedy_rows(*slow[:1], slow[3], slow[1], slow[2], slow[4], logits)):
+        assert torch.equal(got[live], want[live])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads import family
-from draftsmith.heads.tree import Tree, assemble_trees, chain_tree
+from draftsmith.heads.tree import Chains, Tree, assemble_trees, chain_tree
 
 StepCompiler = Callable[..., Callable]  # (fn, static_buffers=()) -> fn with the same signature
 
@@ -200,7 +200,7 @@ class TreeDrafter(BatchOfOne):
         return self.draft_dynamic(roots_B)
 
     @torch.no_grad()
-    def draft_chains(self, roots_B: torch.Tensor) -> list[Tree]:
+    def draft_chains(self, roots_B: torch.Tensor) -> Chains:
         length = min(self.tree_cfg.depth, self.tree_cfg.num_nodes - 1)
         draft_ids = self.logits_last.argmax(-1, keepdim=True)                     # [B, 1]
         tokens, h = [self.head.to_target_ids(draft_ids)], self.h_last[:, None]
@@ -211,7 +211,7 @@ class TreeDrafter(BatchOfOne):
             tokens.append(self.head.to_target_ids(logp.argmax(-1)))
             h = out
         drafted = torch.cat(tokens, 1)[:, :length]
-        return [chain_tree(roots_B[b], drafted[b]) for b in range(B)]
+        return Chains(roots_B, drafted)
 
     @torch.no_grad()
     def draft_dynamic(self, roots_B: torch.Tensor) -> list[Tree]:

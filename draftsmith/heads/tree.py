@@ -148,7 +148,27 @@ def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> Tree:
     return Tree(torch.cat([root.view(1), tokens]), parent, depth, torch.ones(n, n, dtype=torch.bool, device=root.device).tril())
 
 
-def marginal_trees(roots_B: torch.Tensor, logits_BDV: torch.Tensor, top_k: int, num_nodes: int, to_target=None) -> list[Tree]:
+class Chains:
+    """Every row's chain of drafts, [root, drafts_BK[b]]: a sequence of `chain_tree`s built on demand, with the batch's
+    tokens [B, 1 + K] at hand (`tokens_BN`), so that the batched runtime pads and verifies the chains of all rows at
+    once, without a host step per row."""
+
+    def __init__(self, roots_B: torch.Tensor, drafts_BK: torch.Tensor):
+        self.tokens_BN = torch.cat([roots_B.view(-1, 1), drafts_BK], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.tokens_BN)
+
+    def __getitem__(self, b: int) -> Tree:
+        if not -len(self) <= b < len(self):
+            raise IndexError(b)
+        return chain_tree(self.tokens_BN[b, 0], self.tokens_BN[b, 1:])
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
+
+
+def marginal_trees(roots_B: torch.Tensor, logits_BDV: torch.Tensor, top_k: int, num_nodes: int, to_target=None):
     """A parallel drafter's trees (DDTree, for DFlash and P-EAGLE), one per row: `logits_BDV[b, d]` is depth d+1's
     distribution, drafted in one forward without seeing the tokens before it, so a path's probability is the product
     of its tokens' marginals. The best-first tree on those products (`tree_from_accuracies`, each depth's `top_k` most
@@ -157,7 +177,7 @@ def marginal_trees(roots_B: torch.Tensor, logits_BDV: torch.Tensor, top_k: int, 
     if top_k <= 1:
         tokens = logits_BDV[:, :num_nodes - 1].argmax(-1)
         tokens = to_target(tokens) if to_target is not None else tokens
-        return [chain_tree(root, row) for root, row in zip(roots_B, tokens)]
+        return Chains(roots_B, tokens)
     probs, tokens = torch.softmax(logits_BDV.float(), dim=-1).topk(top_k, dim=-1)
     tokens = to_target(tokens) if to_target is not None else tokens
     return [static_tree(root, tree_from_accuracies(p.tolist(), num_nodes, spine=len(p)), t) for root, p, t in zip(roots_B, probs, tokens)]

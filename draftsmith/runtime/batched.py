@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.heads.tree import Tree, chain_tree
+from draftsmith.heads.tree import Chains, Tree, chain_tree
 from draftsmith.runtime.generate import _finish, _sync
 from draftsmith.runtime.target import TargetRunner, layer_states
 from draftsmith.runtime.verify import SamplingConfig, sample_token, verify, verify_greedy_rows
@@ -176,6 +176,23 @@ def pad_trees(trees: list[Tree], device, num_nodes: int = 1):
     return tokens, depth, mask, parent, torch.tensor([len(t) for t in trees], device=device)
 
 
+def pad_chains(tokens_BN: torch.Tensor, done: list[bool], num_nodes: int = 1):
+    """`pad_trees` of every row's chain [root, drafts] (`Chains.tokens_BN`), built for the batch at once; a finished
+    row's tree is its root alone (what it verifies; the nodes after it are not read)."""
+    B, K1 = tokens_BN.shape
+    N, device = max(num_nodes, K1), tokens_BN.device
+    nodes = torch.arange(N, device=device)
+    inside = nodes < K1
+    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+    tokens[:, :K1] = tokens_BN
+    depth = torch.where(inside, nodes, 0).expand(B, N)
+    parent = torch.where(inside, nodes - 1, -1).expand(B, N)
+    mask = torch.eye(N, dtype=torch.bool, device=device)
+    mask[:K1, :K1] = torch.ones(K1, K1, dtype=torch.bool, device=device).tril()
+    sizes = torch.where(torch.tensor(done, device=device), 1, K1)
+    return tokens, depth, mask.expand(B, N, N), parent, sizes
+
+
 def root_nodes(roots_B: torch.Tensor):
     """`pad_trees` of one-node trees (plain decoding's round), built for the batch at once."""
     B, device = len(roots_B), roots_B.device
@@ -248,8 +265,11 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
             trees, padded = None, root_nodes(roots)
         else:
             drafted = drafter.draft_trees(roots)
-            trees = [chain_tree(root, root.view(1)[:0]) if done[b] else drafted[b] for b, root in enumerate(roots)]
-            padded = pad_trees(trees, target.device, num_nodes)
+            if isinstance(drafted, Chains) and sampling.greedy:  # every row's chain at once (no tree is read)
+                trees, padded = None, pad_chains(drafted.tokens_BN, done, num_nodes)
+            else:
+                trees = [chain_tree(root, root.view(1)[:0]) if done[b] else drafted[b] for b, root in enumerate(roots)]
+                padded = pad_trees(trees, target.device, num_nodes)
         t1 = time.perf_counter()
         logits, features, _ = target.forward(*padded[:3])
         paths, counts, bonus = _verdicts(padded, trees, logits, sampling, gen, done)

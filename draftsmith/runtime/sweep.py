@@ -447,13 +447,15 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
                   cfg.repeats)
     out_dir = Path(out) if out else economics_dir(recipe)
     partial = out_dir / "partial.json"  # each measured batch size, so a killed sweep resumes where it stopped
-    key = {"head_sha256": head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by, "drafting": "batched", "plain_baseline": PLAIN_BASELINE,
+    key = {"head_sha256": head_sha(head_path), "settings_hash": _settings_hash(recipe), "ks": ks_by, "drafting": "batched",
+           "plain_baseline": PLAIN_BASELINE,
            "compare": {name: head_sha(path) for name, (_, path) in compared.items()}}
     grid, skipped = _measure_grid(sweep, sorted(set(cfg.batch_sizes)), factories, ks_by, partial, key, cfg.memory_fraction)
     if not grid:
         raise ValueError(f"no batch size of economics.batch_sizes={cfg.batch_sizes} fits in memory: {skipped}")
     result = {"target": recipe.target.model, "head": str(head_path), "head_sha256": key["head_sha256"], "kind": draft_head.kind,
-              "settings_hash": key["settings_hash"], "plain_baseline": PLAIN_BASELINE, "device": str(model.device), "machine": machine_name(model.device),
+              "settings_hash": key["settings_hash"], "plain_baseline": PLAIN_BASELINE,
+              "device": str(model.device), "machine": machine_name(model.device),
               "dtype": str(model.dtype), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": cfg.max_new_tokens,
               "num_prompts": len(prompts), "batch_sizes": sorted(grid), "skipped_batch_sizes": skipped, "num_speculative_tokens": ks,
               "gpu_hour_usd": usd, "extra_usd_per_hour": extra, "plain": {str(b): grid[b]["plain"] for b in grid}, "drafters": {}}

@@ -62,17 +62,10 @@ def sample_token(logits_V: torch.Tensor, cfg: SamplingConfig, gen: torch.Generat
 
 
 def verify_greedy(tree: Tree, logits_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted node indices root first, bonus token)."""
-    argmax = logits_NV.argmax(-1)
-    parent = tree.parent_N.clamp(min=0)
-    match = tree.tokens_N == argmax[parent]
-    match[0] = True
-    accepted = match.clone()
-    for _ in range(len(tree) - 1):  # a bound known on the host: no read-back; extra rounds are no-ops
-        accepted = match & accepted[parent]
-    best = torch.argmax(accepted.long() * (tree.depth_N + 1))
-    path = torch.nonzero(tree.mask_NN[best]).flatten()
-    return path, argmax[best]
+    """(accepted node indices root first, bonus token): `verify_greedy_rows` on a batch of one tree."""
+    paths, counts, bonus = verify_greedy_rows(tree.tokens_N[None], tree.parent_N[None], tree.depth_N[None], tree.mask_NN[None],
+                                              torch.tensor([len(tree)], device=tree.tokens_N.device), logits_NV[None])
+    return paths[0, :int(counts[0])], bonus[0]
 
 
 def verify_greedy_rows(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, depth_BN: torch.Tensor, mask_BNN: torch.Tensor,

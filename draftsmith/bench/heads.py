@@ -77,7 +77,7 @@ def bench_drafters_budget(data_recipe, overrides: list[str], seconds: float) -> 
     return bench_heads(data_recipe, overrides, seconds, BUDGET_RUNS, prefix="bench-budget")
 
 
-ECONOMICS = ["economics.batch_sizes=[1,4,16,64,128,256,512,1024]", "economics.num_speculative_tokens=[3,7,15]",
+ECONOMICS = ["economics.batch_sizes=[1,4,16,32,64,128,256]", "economics.num_speculative_tokens=[3,7,15]",
              "economics.baselines=[]", "economics.max_new_tokens=48", "economics.draft_model_embedded=null",
              "economics.repeats=2"]
 

@@ -228,6 +228,28 @@ def test_dflash_pipeline_trains_validates_and_exports(tmp_path, micro_target):
     assert "speculation_type='dflash'" in (recipe.run_dir / "export" / "transformers" / "README.md").read_text()
 
 
+def test_commits_waiting_for_a_block_join_in_order(target):
+    """Several commits before a block (rows committing none in some) give the block the context that one commit
+    of the same positions gives: the same lengths, the same cache, the same drafts."""
+    head, batch = _head(target).eval(), _batch(target, B=2)
+    ids, aux, roots = batch["input_ids"], batch["aux"], batch["input_ids"][:, 0]
+    splits = [[4, 2, 3], [5, 0, 0]]  # row 0 commits three times, row 1 once
+    whole = DFlashDrafter(head, 64, TreeConfig(3, 1, 4), batch_size=2)
+    whole.extend_rows([0, 1], [ids[b, 1:sum(n) + 1] for b, n in enumerate(splits)], [aux[b, :sum(n)] for b, n in enumerate(splits)])
+    parts = DFlashDrafter(head, 64, TreeConfig(3, 1, 4), batch_size=2)
+    for step in range(3):
+        rows = [b for b in range(2) if splits[b][step]]
+        start = [sum(splits[b][:step]) for b in rows]
+        ends = [s + splits[b][step] for s, b in zip(start, rows)]
+        parts.extend_rows(rows, [ids[b, s + 1:e + 1] for b, s, e in zip(rows, start, ends)],
+                          [aux[b, s:e] for b, s, e in zip(rows, start, ends)])
+    assert len(parts.pending) == 3
+    torch.testing.assert_close(parts.block_logits(roots, 3), whole.block_logits(roots, 3), rtol=1e-5, atol=1e-5)
+    assert parts.lengths == whole.lengths == [9, 5]
+    for b, n in enumerate(whole.lengths):
+        torch.testing.assert_close(parts.k[:, b, :, :n], whole.k[:, b, :, :n], rtol=1e-5, atol=1e-6)
+
+
 def test_batched_block_drafting_is_exact_per_row(target):
     """Rows of different lengths drafted in one forward (economics' batched decoding) equal plain decoding per row."""
     from draftsmith.runtime.batched import BatchRunner, batch_max_len, batched_generate

@@ -166,9 +166,9 @@ def test_batched_decoding_is_exact_per_row(tiny_pair):
             for r, p in zip(rows, prompts):
                 self.seen[r] = 1 - len(p)      # extend carries prompt[1:], then generated tokens from the root on
 
-        def extend_rows(self, rows, tokens, features):
-            for r, t in zip(rows, tokens):
-                self.seen[r] += len(t)
+        def commit(self, commits):
+            for r, n in enumerate(commits.counts):
+                self.seen[r] += n
 
         def draft_trees(self, roots):
             return [chain_tree(root, torch.tensor(c[s:s + 7])) for root, c, s in zip(roots, self.continuations, self.seen)]

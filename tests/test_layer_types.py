@@ -127,8 +127,8 @@ class Rows:
             d.reset()
             d.round = phase
 
-    def extend_rows(self, rows, tokens, features):
-        for b, t, f in zip(rows, tokens, features):
+    def commit(self, commits):
+        for b, t, f in commits.rows():
             self.drafters[b].extend(t, f)
 
     def draft_trees(self, roots):

@@ -12,6 +12,7 @@ supplied by the runtime (`runtime/compile.py`); the default runs it eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Protocol
 
 import torch
@@ -44,9 +45,9 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget every committed position of every row (new prompts follow)."""
 
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """Commit, for each listed row, T_r positions: the target's features there and the tokens one
-        ahead of them (rows extend by different numbers: each accepted its own path)."""
+    def commit(self, commits: Commits) -> None:
+        """Commit, for every row b, its next counts[b] positions: the target's features there and the tokens one
+        ahead of them (rows extend by different numbers: each accepted its own path; 0: none)."""
 
     def draft_trees(self, roots_B: torch.Tensor) -> list:
         """One tree per row, `tree_cfg.num_nodes` nodes at most, rooted at the row's root token."""
@@ -56,11 +57,48 @@ class Drafter(Protocol):
     # drafters that read the prompt's first token too (extend never carries it: the runtime's baselines)
 
 
+@dataclass
+class Commits:
+    """What one commit hands every one of B rows, padded: row b's first counts[b] entries of tokens_BT [B, T] (the
+    tokens one ahead of the positions) and of feats_BTK [B, T, K] (the target's features there; None for drafters
+    that read none). The runtime builds it from the round's accepted paths in one gather, with no step per row."""
+    tokens_BT: torch.Tensor
+    feats_BTK: torch.Tensor | None
+    counts: list[int]
+
+    @cached_property
+    def counts_B(self) -> torch.Tensor:
+        return torch.tensor(self.counts, device=self.tokens_BT.device)
+
+    @classmethod
+    def from_rows(cls, rows: list[int], tokens: list[torch.Tensor], features: list | None, batch_size: int) -> Commits:
+        """The listed rows' tokens (and features, unless None) padded to the longest; rows not listed get none."""
+        counts = [0] * batch_size
+        for r, t in zip(rows, tokens):
+            counts[r] = len(t)
+        by_row = dict(zip(rows, tokens))
+        tokens_BT = pad_rows([by_row.get(b, tokens[0][:0]) for b in range(batch_size)], max(counts))
+        if features is None or features[0] is None:
+            return cls(tokens_BT, None, counts)
+        by_row = dict(zip(rows, features))
+        return cls(tokens_BT, pad_rows([by_row.get(b, features[0][:0]) for b in range(batch_size)], max(counts)), counts)
+
+    def rows(self):
+        """(row, its tokens, its features or None) for every row that commits any."""
+        for b, n in enumerate(self.counts):
+            if n:
+                yield b, self.tokens_BT[b, :n], None if self.feats_BTK is None else self.feats_BTK[b, :n]
+
+
 class BatchOfOne:
-    """The batch-1 calls every drafter offers, as the B = 1 case of its batched ones."""
+    """The list and batch-1 calls every drafter offers, as cases of its batched `commit`."""
+
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list | None = None) -> None:
+        """Commit tokens[i] (and features[i]) to row rows[i]."""
+        self.commit(Commits.from_rows(rows, tokens, features, self.batch_size))
 
     def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor | None = None) -> None:
-        self.extend_rows([0], [tokens_T], [features_TK])
+        self.extend_rows([0], [tokens_T], None if features_TK is None else [features_TK])
 
     def draft_tree(self, root: torch.Tensor) -> Tree:
         return self.draft_trees(root.view(1))[0]
@@ -82,20 +120,6 @@ def pad_rows(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
     for r, row in enumerate(rows):
         out[r, :len(row)] = row
     return out
-
-
-def padded_commits(rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor], batch_size: int):
-    """(tokens [B, T], features [B, T, K], counts per row) of an `extend_rows` call over all B rows: the listed
-    rows' new positions, padded to the longest; rows not listed have none."""
-    counts = [0] * batch_size
-    for r, t in zip(rows, tokens):
-        counts[r] = len(t)
-    T = max(counts)
-    empty_tok, empty_feat = tokens[0][:0], features[0][:0]
-    by_row = {r: (t, f) for r, t, f in zip(rows, tokens, features)}
-    tokens_BT = pad_rows([by_row.get(b, (empty_tok, None))[0] for b in range(batch_size)], T)
-    feats_BTK = pad_rows([by_row.get(b, (None, empty_feat))[1] for b in range(batch_size)], T)
-    return tokens_BT, feats_BTK, counts
 
 
 class TreeDrafter(BatchOfOne):
@@ -134,14 +158,13 @@ class TreeDrafter(BatchOfOne):
         self.v.permute(0, 2, 1, 3).index_put_((rows, write_at_BT), v.transpose(1, 2))
 
     @torch.no_grad()
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """Commit positions [length_r, length_r + T_r) of each listed row in one forward over all B rows
-        (rows not listed, and the padding of shorter ones, write to the trash slot and are not read)."""
-        tokens_BT, feats_BTK, counts = padded_commits(rows, tokens, features, self.batch_size)
-        T, dev, feats_BTK = tokens_BT.shape[1], self.device, feats_BTK.to(self.k.dtype)
+    def commit(self, commits: Commits) -> None:
+        """Commit positions [length_b, length_b + counts[b]) of every row in one forward over all B rows
+        (rows that commit none, and the padding of shorter ones, write to the trash slot and are not read)."""
+        tokens_BT, counts, counts_B = commits.tokens_BT, commits.counts, commits.counts_B
+        T, dev, feats_BTK = tokens_BT.shape[1], self.device, commits.feats_BTK.to(self.k.dtype)
         if max(n + c for n, c in zip(self.lengths, counts)) > self.trash:
             raise ValueError(f"draft context exceeds the runtime's max_len={self.max_len - 1}")
-        counts_B = torch.tensor(counts, device=dev)
         offsets = torch.arange(T, device=dev)
         positions = self.lengths_B[:, None] + offsets
         write_at = torch.where(offsets < counts_B[:, None], positions, self.trash)

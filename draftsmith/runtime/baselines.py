@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig
+from draftsmith.heads.drafting import BatchOfOne, Commits, TreeConfig
 from draftsmith.heads.tree import Tree, chain_tree
 
 
@@ -33,9 +33,10 @@ class _RowContexts(BatchOfOne):
         for r, prompt in zip(rows, prompts):
             self.contexts[r] = prompt[:1].tolist()
 
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features=None) -> None:
-        for r, t in zip(rows, tokens):
-            self.contexts[r] += t.tolist()
+    def commit(self, commits: Commits) -> None:
+        tokens = commits.tokens_BT.tolist()
+        for r, n in enumerate(commits.counts):
+            self.contexts[r] += tokens[r][:n]
 
 
 class NgramDrafter(_RowContexts):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.heads.drafting import Commits
 from draftsmith.heads.tree import Chains, Tree, chain_tree
 from draftsmith.runtime.generate import _finish, _sync
 from draftsmith.runtime.target import TargetRunner, layer_states
@@ -232,7 +233,8 @@ def _start_drafter(drafter, prompts, roots, features, sampling, gen) -> None:
     rows = list(range(len(prompts)))
     if hasattr(drafter, "begin_rows"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
         drafter.begin_rows(rows, prompts)
-    drafter.extend_rows(rows, [torch.cat([p[1:], r.view(1)]) for p, r in zip(prompts, roots)], features)
+    tokens = [torch.cat([p[1:], r.view(1)]) for p, r in zip(prompts, roots)]
+    drafter.commit(Commits.from_rows(rows, tokens, features, len(prompts)))
 
 
 @torch.no_grad()
@@ -281,20 +283,18 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
         kept = torch.cat([padded[0].gather(1, paths)[:, 1:], bonus[:, None]], dim=1)
         kept.scatter_(1, (torch.tensor(counts, device=kept.device) - 1).clamp(min=0)[:, None], bonus[:, None])
         kept_rows, was_done = kept.tolist(), list(done)
-        extend = ([], [], [])
         for b, n in enumerate(counts):
-            if was_done[b]:
-                continue
-            result.accept_lengths[b].append(n - 1)
-            tokens[b], done[b] = _finish(tokens[b], kept_rows[b][:n], eos_ids, max_new_tokens)
-            result.finish_seconds[b] = time.perf_counter() - start
-            if not done[b]:
-                for store, value in zip(extend, (b, kept[b, :n], features[b, paths[b, :n]])):
-                    store.append(value)
+            if not was_done[b]:
+                result.accept_lengths[b].append(n - 1)
+                tokens[b], done[b] = _finish(tokens[b], kept_rows[b][:n], eos_ids, max_new_tokens)
+                result.finish_seconds[b] = time.perf_counter() - start
         roots = torch.where(torch.tensor(was_done, device=roots.device), roots, bonus)
-        if drafter is not None and extend[0]:  # committing is the draft's work too
+        extending = [0 if d else n for n, d in zip(counts, done)]
+        if drafter is not None and any(extending):  # committing is the draft's work too: every row in one gather
             t2 = time.perf_counter()
-            drafter.extend_rows(*extend)
+            width = max(extending)
+            feats = features.gather(1, paths[:, :width, None].expand(-1, -1, features.shape[-1]))
+            drafter.commit(Commits(kept[:, :width], feats, extending))
             result.draft_seconds += time.perf_counter() - t2
     _sync(target.device)
     result.seconds = time.perf_counter() - start

@@ -19,11 +19,13 @@ import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from draftsmith import artifacts
+from draftsmith.heads.drafting import BatchOfOne, Commits
 from draftsmith.heads.registry import head_spec
 from draftsmith.recipe import Recipe
 from draftsmith.runtime import economics as econ
@@ -314,17 +316,15 @@ def _columns(own: list[int], captured: list[int], hidden: int) -> torch.Tensor:
         else torch.zeros(0, dtype=torch.long)
 
 
-class ReadingLayers:
+class ReadingLayers(BatchOfOne):
     """A drafter in a sweep that captures more layers than it reads: what it commits keeps its own layers' columns."""
 
     def __init__(self, drafter, columns: torch.Tensor):
         self.drafter, self.columns = drafter, columns
 
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        self.drafter.extend_rows(rows, tokens, [f[..., self.columns.to(f.device)] for f in features])
-
-    def extend(self, tokens_T: torch.Tensor, features_TK: torch.Tensor | None = None) -> None:
-        self.extend_rows([0], [tokens_T], [features_TK])
+    def commit(self, commits: Commits) -> None:
+        feats = commits.feats_BTK
+        self.drafter.commit(replace(commits, feats_BTK=feats[..., self.columns.to(feats.device)]))
 
     def __getattr__(self, name: str):
         return getattr(self.drafter, name)

@@ -2,7 +2,7 @@
 B - 1) the tokens drafted (an engine serving the head with num_speculative_tokens = d runs the same block).
 
 Each row keeps every layer's context K/V for its committed positions, computed once, in the first block after the
-target's features for them arrive (`extend_rows` keeps them): every layer projects [new context rows ; block rows]
+target's features for them arrive (`commit` keeps them): every layer projects [new context rows ; block rows]
 in one go, as the reference's forward does, so that a round is one draft forward. The block's own K/V are written
 after the longest row's context (scratch slots, read in place with the context: no copy of the cache) and
 overwritten by later commits. The block's slots 1..d
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager, pad_rows
+from draftsmith.heads.drafting import BatchOfOne, Commits, TreeConfig, eager
 from draftsmith.heads.tree import Tree, marginal_trees
 
 
@@ -31,31 +31,44 @@ class DFlashDrafter(BatchOfOne):
 
     def reset(self) -> None:
         self.lengths = [0] * self.batch_size
-        self.pending: list[list[torch.Tensor]] = [[] for _ in range(self.batch_size)]
+        self.pending: list[Commits] = []  # committed since the last block, context K/V not yet computed
 
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """The rows' newly committed positions (their features; the tokens are not read): kept until the next
+    def commit(self, commits: Commits) -> None:
+        """Every row's newly committed positions (their features; the tokens are not read): kept until the next
         block, whose forward computes their context K/V with its own (one draft forward per round)."""
-        for r, feats in zip(rows, features):
-            total = self.lengths[r] + sum(len(f) for f in self.pending[r]) + len(feats)
-            if total > self.max_len:
-                raise ValueError(f"DFlash context of {total} positions exceeds the drafter's max_len={self.max_len}")
-            self.pending[r].append(feats)
+        waiting = [sum(c) for c in zip(self.lengths, *(p.counts for p in self.pending), commits.counts)]
+        if max(waiting) > self.max_len:
+            raise ValueError(f"DFlash context of {max(waiting)} positions exceeds the drafter's max_len={self.max_len}")
+        self.pending.append(commits)
+
+    def _pending_rows(self):
+        """(features [B, P, K], counts) of every row's positions committed since the last block, in order."""
+        if len(self.pending) == 1:
+            only = self.pending[0]
+            return only.feats_BTK[:, :max(only.counts)], only.counts
+        counts = [sum(c) for c in zip(*(p.counts for p in self.pending))]
+        first = self.pending[0].feats_BTK
+        feats_BPK = first.new_zeros(self.batch_size, max(counts), first.shape[-1])
+        done_B = torch.zeros(self.batch_size, dtype=torch.long, device=first.device)
+        for p in self.pending:  # each commit's rows after what the earlier ones brought
+            T = p.feats_BTK.shape[1]
+            rows, cols = torch.nonzero(torch.arange(T, device=first.device) < p.counts_B[:, None], as_tuple=True)
+            feats_BPK[rows, done_B[rows] + cols] = p.feats_BTK[rows, cols]
+            done_B += p.counts_B
+        return feats_BPK, counts
 
     def _take_pending(self):
         """(context rows [B, P, H], their positions [B, P], store) for the positions committed since the last block
         (None if there are none); `lengths` then count them. store(layer, k, v) writes each row's own to its cache."""
-        feats = [torch.cat(f) if f else None for f in self.pending]
-        counts = [0 if f is None else len(f) for f in feats]
-        if not any(counts):
+        if not any(any(p.counts) for p in self.pending):
+            self.pending = []
             return None
-        present = next(f for f in feats if f is not None)
-        feats_BPK = pad_rows([present[:0] if f is None else f for f in feats], max(counts))
+        feats_BPK, counts = self._pending_rows()
         P = feats_BPK.shape[1]
         starts = list(self.lengths)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(P, device=self.device)
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.pending = [[] for _ in range(self.batch_size)]
+        self.pending = []
         if len(counts) == 1:  # one row: its new positions are one contiguous run of slots
             def store(layer, k, v):
                 self.k[layer][:1, :, starts[0]:starts[0] + P], self.v[layer][:1, :, starts[0]:starts[0] + P] = k, v

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig, eager
+from draftsmith.heads.drafting import BatchOfOne, Commits, TreeConfig, eager
 from draftsmith.heads.tree import StaticLayout, Tree, tree_from_accuracies
 
 PRIOR_FIRST, PRIOR_DECAY = 0.6, 0.5  # accuracy prior for a tree built before any calibration
@@ -43,11 +43,14 @@ class MedusaDrafter(BatchOfOne):
     def reset(self) -> None:
         self.feature_BH = None
 
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+    def commit(self, commits: Commits) -> None:
+        """Each row keeps the feature at its last committed position."""
+        feats, counts_B = commits.feats_BTK, commits.counts_B
         if self.feature_BH is None:
-            self.feature_BH = features[0].new_zeros(self.batch_size, features[0].shape[-1])
-        for r, feats in zip(rows, features):
-            self.feature_BH[r] = feats[-1]
+            self.feature_BH = feats.new_zeros(self.batch_size, feats.shape[-1])
+        if any(commits.counts):
+            last = feats[torch.arange(self.batch_size, device=feats.device), (counts_B - 1).clamp(min=0)]
+            self.feature_BH = torch.where((counts_B > 0)[:, None], last, self.feature_BH)
 
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:

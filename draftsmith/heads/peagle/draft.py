@@ -1,6 +1,6 @@
 """Drafting with a P-EAGLE head: one forward per round gives the whole chain.
 
-Each row keeps every layer's K/V of its committed positions ([0, length_b) of a preallocated cache). `extend_rows`
+Each row keeps every layer's K/V of its committed positions ([0, length_b) of a preallocated cache). `commit`
 runs, in one forward over all rows, the newly committed positions (token x_{t+1}, feature f_t, as EAGLE-3) and
 K - 1 placeholder slots [MASK, mask_hidden] at positions length_b - 1 + d right after them (their K/V in the
 row's scratch space, overwritten next round). A query at position p sees every cache slot <= p: the committed
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.drafting import BatchOfOne, TreeConfig, attend_with_mask, eager, padded_commits
+from draftsmith.heads.drafting import BatchOfOne, Commits, TreeConfig, attend_with_mask, eager
 from draftsmith.heads.tree import Tree, marginal_trees
 
 
@@ -35,14 +35,14 @@ class PEagleDrafter(BatchOfOne):
     def reset(self) -> None:
         self.lengths = [0] * self.batch_size
 
-    def _inputs(self, rows, tokens, features):
+    def _inputs(self, commits: Commits):
         """Tokens [B, T + K - 1], first hidden states, positions and cache slots of every row's new rows."""
-        tokens_BT, feats, counts = padded_commits(rows, tokens, features, self.batch_size)
-        T, K, feats = tokens_BT.shape[1], self.num_tokens, feats.to(self.dtype)
+        tokens_BT, counts, counts_B = commits.tokens_BT, commits.counts, commits.counts_B
+        T, K, feats = tokens_BT.shape[1], self.num_tokens, commits.feats_BTK.to(self.dtype)
         if max(n + c for n, c in zip(self.lengths, counts)) + K > self.trash:
             raise ValueError(f"draft context exceeds the runtime's max_len={self.size - self.num_tokens - 1}")
         B, dev = self.batch_size, self.device
-        counts_B, lengths_B = torch.tensor(counts, device=dev), torch.tensor(self.lengths, device=dev)
+        lengths_B = torch.tensor(self.lengths, device=dev)
         committed = lengths_B[:, None] + torch.arange(T, device=dev)
         slots = (lengths_B + counts_B - 1)[:, None] + torch.arange(1, K, device=dev)
         positions = torch.cat([committed, slots], dim=1)
@@ -52,9 +52,9 @@ class PEagleDrafter(BatchOfOne):
         return tokens_BN, hidden, positions, write_at, counts_B, counts
 
     @torch.no_grad()
-    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        """Commit each listed row's new positions and draft its next chain, all rows in one forward."""
-        tokens_BN, hidden, positions, write_at, counts_B, counts = self._inputs(rows, tokens, features)
+    def commit(self, commits: Commits) -> None:
+        """Commit every row's new positions and draft its next chain, all rows in one forward."""
+        tokens_BN, hidden, positions, write_at, counts_B, counts = self._inputs(commits)
         allowed = torch.arange(self.size, device=self.device)[None, None, :] <= positions[:, :, None]
         allowed[:, :, self.trash] = False
         batch_rows = self.rows_B[:, None].expand_as(write_at)

@@ -69,6 +69,17 @@ def test_the_dflash_goals_read_every_dflash_row():
     assert "neither DFlash nor EAGLE-3 crosses over within the sweep" in neither
 
 
+def test_the_drafters_goals_name_each_rows_crossover_and_the_machine_of_each_section():
+    from draftsmith.bench.heads import _crossover, _machine
+    econ = {"eagle3-k7": {"crossover_batch_size": 32}, "eagle3.1+lk": {"crossover_batch_size": 64},
+            "dflash-b8": {"crossover_batch_size": None}}
+    assert _crossover(econ, "eagle3.1+lk") == "; its crossover in the batched sweep is 64 against EAGLE-3's 32"
+    assert _crossover(econ, "dflash-b8").endswith("beyond the sweep against EAGLE-3's 32")
+    assert _crossover(econ, "peagle") == "" and _crossover(None, "dflash-b8") == ""
+    r = {"date": "2026-12-01, AMD EPYC", "measured": {"drafters": "2026-12-06, Intel Xeon, 2 threads"}}
+    assert (_machine(r, "drafters"), _machine(r, "drafters_budget")) == ("Intel Xeon", "AMD EPYC")
+
+
 def test_the_sweep_renders_each_heads_k_at_the_deciding_batch_size():
     """Section drafters_economics: per head and K at B = 128, the speedup, tau and a round's draft / verify time; a K
     a head cannot draft (blocks of 8: no K = 15) shows as '-'."""

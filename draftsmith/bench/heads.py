@@ -370,7 +370,9 @@ def _render_budget(r: dict) -> list[str]:
              f"The same recipes, each trained {base['budget_seconds']:.0f} s instead of "
              f"{short.get('eagle3-k7', {}).get('budget_seconds', 0):.0f} s, validated as above "
              f"({r.get('measured', {}).get('drafters_budget', r['date'])}); the ratio to EAGLE-3 at the short budget "
-             "is from the table above.", "",
+             "is from the table above" + ("" if _machine(r, "drafters_budget") == _machine(r, "drafters") else
+                                          f" (measured on {_machine(r, 'drafters')}, where the same wall-clock "
+                                          "buys other training steps)") + ".", "",
              "| drafter | train steps (s) | tau | draft cost c | speedup vs plain (validation) | side by side | vs EAGLE-3 "
              "| vs EAGLE-3 at the short budget | greedy exact |", "|---|---|---|---|---|---|---|---|---|"]
     for name, h in rows.items():
@@ -380,6 +382,12 @@ def _render_budget(r: dict) -> list[str]:
                      f"{speed(h) / speed(base):.2f}x | "
                      f"{f'{was:.2f}x' if was is not None else '-'} | {h['exact']} |")
     return lines + [""]
+
+
+def _machine(r: dict, section: str) -> str:
+    """The machine of a section's `measured` line ('2026-12-06, Intel Xeon, 2 threads, ...' -> 'Intel Xeon')."""
+    parts = r.get("measured", {}).get(section, r["date"]).split(", ")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _render_second_target(r: dict) -> list[str]:
@@ -425,7 +433,7 @@ def _render_sweep(r: dict, econ: dict) -> list[str]:
     if all("by_k" in h for h in econ.values()):
         ks = sorted({int(k) for h in econ.values() for k in h["by_k"][at]})
         lines += ["", f"Per K at B = {at}: speedup, tau, and a round's draft / "
-                  "verify milliseconds. On a 2-core CPU a forward's cost grows with the tokens it computes from B = 64 on, so "
+                  "verify milliseconds. On a 2-core CPU a forward's cost grows with the tokens it computes from B = 32 on, so "
                   "DFlash's one block forward costs about what EAGLE-3's K steps do, and tau at the same K decides:", "",
                   "| drafter | " + " | ".join(f"K = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
         for name, h in econ.items():
@@ -434,6 +442,14 @@ def _render_sweep(r: dict, econ: dict) -> list[str]:
                 f"{c['speedup']:.2f}x, tau {c['tau']:.2f}, {c['draft_ms']:.1f} / {c['verify_ms']:.1f} ms" if (c := cells.get(str(k))) else "-"
                 for k in ks) + " |")
     return lines
+
+
+def _crossover(econ: dict | None, name: str) -> str:
+    """'; its crossover in the batched sweep is X against EAGLE-3's Y' where the sweep ran the head, else ''."""
+    if not econ or name not in econ:
+        return ""
+    cross, e3 = econ[name]["crossover_batch_size"], econ["eagle3-k7"]["crossover_batch_size"]
+    return f"; its crossover in the batched sweep is {cross or 'beyond the sweep'} against EAGLE-3's {e3 or 'beyond the sweep'}"
 
 
 def _render_drafters(r: dict, rows: dict) -> list[str]:
@@ -486,8 +502,12 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
         goals.append(f"DFlash trained with the LK loss (`head.objective: lk_lambda`): tau {lk['tau']:.2f}, "
                      f"{ratio:.2f}x EAGLE-3's speedup (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})")
         if econ and "dflash-b16+lk" in econ:
-            cross, e3 = econ["dflash-b16+lk"]["crossover_batch_size"], econ["eagle3-k7"]["crossover_batch_size"]
-            goals[-1] += f"; its crossover in the batched sweep is {cross or 'beyond the sweep'} against EAGLE-3's {e3 or 'beyond the sweep'}"
+            goals[-1] += _crossover(econ, "dflash-b16+lk")
+    if "dflash-b8" in rows:
+        b8 = rows["dflash-b8"]
+        ratio = speed(b8) / speed(base)
+        goals.append(f"DFlash with blocks of 8 (7 draft tokens a round): tau {b8['tau']:.2f}, {ratio:.2f}x EAGLE-3's "
+                     f"speedup (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})" + _crossover(econ, "dflash-b8"))
     if "peagle" in rows:
         ratio = speed(rows["peagle"]) / speed(base)
         goals.append(f"P-EAGLE's speedup is {ratio:.2f}x EAGLE-3's at tau {rows['peagle']['tau']:.2f} against "
@@ -495,7 +515,7 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
     if "eagle3.1+lk" in rows:
         gain = rows["eagle3.1+lk"]["tau"] - base["tau"]
         goals.append(f"EAGLE 3.1 + LK tau {rows['eagle3.1+lk']['tau']:.2f} against {base['tau']:.2f} "
-                     f"(goal: at least EAGLE-3's: {'met' if gain >= 0 else 'not met'})")
+                     f"(goal: at least EAGLE-3's: {'met' if gain >= 0 else 'not met'})" + _crossover(econ, "eagle3.1+lk"))
     second = r.get("drafters_qwen3") or {}
     if "eagle3.1+lk" in second:
         a, b = second["eagle3.1+lk"]["tau"], second["eagle3-k7"]["tau"]

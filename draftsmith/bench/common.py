@@ -21,6 +21,12 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
 
 
+def cpu_of(measured: str) -> str:
+    """The CPU of a section's `measured` line, '<date>, ' + `machine()` ('' where the line names none)."""
+    parts = measured.split(", ")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def link_data(recipe, source_recipe) -> None:
     """A fresh copy of the demo's data stage (same inputs hash) in a scratch run directory."""
     import shutil

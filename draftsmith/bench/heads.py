@@ -6,7 +6,7 @@ import json
 import time
 
 from draftsmith import recipe as recipe_mod
-from draftsmith.bench.common import link_data
+from draftsmith.bench.common import cpu_of, link_data
 from draftsmith.heads.hf_layout import drift_summary
 from draftsmith.runtime.sweep import PLAIN_BASELINE
 
@@ -385,9 +385,8 @@ def _render_budget(r: dict) -> list[str]:
 
 
 def _machine(r: dict, section: str) -> str:
-    """The machine of a section's `measured` line ('2026-12-06, Intel Xeon, 2 threads, ...' -> 'Intel Xeon')."""
-    parts = r.get("measured", {}).get(section, r["date"]).split(", ")
-    return parts[1] if len(parts) > 1 else ""
+    """The CPU a section was measured on (its `measured` line, else the bench's date line)."""
+    return cpu_of(r.get("measured", {}).get(section, r["date"]))
 
 
 def _render_second_target(r: dict) -> list[str]:

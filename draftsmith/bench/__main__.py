@@ -28,7 +28,7 @@ from draftsmith import recipe as recipe_mod
 from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
-from draftsmith.bench.heads import (DFLASH_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
+from draftsmith.bench.heads import (BUDGET_RUNS, DFLASH_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
                                    bench_heads, bench_medusa, dflash_ratios, render_drafters, render_heads)
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                "drafters": lambda: bench_heads(recipe, args.overrides, args.heads_seconds, DRAFTER_RUNS),
                "drafters_economics": lambda: bench_drafters_economics(args.overrides, results["drafters"]),
                "drafters_budget": lambda: bench_drafters_budget(recipe, args.overrides, args.budget_seconds),
+               "drafters_budget_economics": lambda: bench_drafters_economics(args.overrides, results["drafters_budget"],
+                                                                             BUDGET_RUNS, "bench-budget"),
                "drafters_qwen3": lambda: bench_drafters_qwen3(args.recipe, args.overrides, args.heads_seconds),
                "economics": lambda: bench_economics(recipe),
                "drafting": lambda: bench_drafting(recipe),
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
             "long_context", "layer_types", "drafters", "drafters_economics", "drafters_budget",
-            "drafters_qwen3"]
+            "drafters_budget_economics", "drafters_qwen3"]
 STANDALONE = {"medusa", "mtp", "long_context"}  # sections measured on recipes of their own
 NO_DEMO_RUN = {"medusa", "long_context"}         # sections that need nothing of the demo recipe's run
 

@@ -68,7 +68,7 @@ def bench_drafters_qwen3(recipe_path: str, overrides: list[str], seconds: float,
 
 
 DFLASH_RUNS = ("dflash-b16", "dflash-b16+lk", "dflash-b8")  # the DFlash rows the goals (1.3x EAGLE-3's speedup, a higher crossover) read
-BUDGET_RUNS = {name: DRAFTER_RUNS[name] for name in ("eagle3-k7", "dflash-b16", "dflash-b16+lk")}
+BUDGET_RUNS = {name: DRAFTER_RUNS[name] for name in ("eagle3-k7", "dflash-b16", "dflash-b16+lk", "dflash-b8")}
 
 
 def bench_drafters_budget(data_recipe, overrides: list[str], seconds: float) -> dict:
@@ -99,19 +99,21 @@ def in_fresh_process(fn, *args) -> None:
         raise RuntimeError(f"{fn.__name__} failed in its own process (exit code {job.exitcode}): its output is above")
 
 
-def bench_drafters_economics(overrides: list[str], drafters: dict) -> dict:
+def bench_drafters_economics(overrides: list[str], drafters: dict, heads: dict = DRAFTER_RUNS,
+                             prefix: str = "bench-heads") -> dict:
     """One batched sweep (`draftsmith economics`, greedy, K 3, 7 and 15: DFlash drafts 15 in one forward) of every
-    head the `drafters` section trained: EAGLE-3's recipe with the others under `economics.compare`, so that at each
+    head a section trained (`drafters`: `DRAFTER_RUNS` in run dirs bench-heads-*; `drafters_budget`: `BUDGET_RUNS` in
+    bench-budget-*): EAGLE-3's recipe with the others under `economics.compare`, so that at each
     batch size every head runs twice in turn with plain decoding between the heads (a cell's speedup is over the plain runs
     beside it). Per head: the best speedup over plain batched decoding per batch size, the crossover, c at B = 1, and
     per batch size and K the speedup, tau and a round's draft and verify milliseconds (`by_k`). The sweep runs in a
     process of its own (`in_fresh_process`)."""
-    runs = {name: recipe_mod.load(path, overrides + extra + [f"name=bench-heads-{name}"])
-            for name, (path, extra) in DRAFTER_RUNS.items()}
-    base, *others = DRAFTER_RUNS
+    runs = {name: recipe_mod.load(path, overrides + extra + [f"name={prefix}-{name}"])
+            for name, (path, extra) in heads.items()}
+    base, *others = heads
     compare = "economics.compare=[" + ",".join(str(runs[name].run_dir / "head") for name in others) + "]"
-    path, extra = DRAFTER_RUNS[base]
-    sweep = overrides + extra + [f"name=bench-heads-{base}", "train.save_every=100000", "train.eval_every=100000",
+    path, extra = heads[base]
+    sweep = overrides + extra + [f"name={prefix}-{base}", "train.save_every=100000", "train.eval_every=100000",
                                  f"train.max_steps={drafters[base]['train_steps']}", *ECONOMICS, compare]
     report = recipe_mod.load(path, sweep).run_dir / "economics-bench"
     in_fresh_process(_sweep, path, sweep, str(report))

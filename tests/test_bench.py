@@ -69,6 +69,39 @@ def test_the_dflash_goals_read_every_dflash_row():
     assert "neither DFlash nor EAGLE-3 crosses over within the sweep" in neither
 
 
+def test_the_crossover_goal_reads_the_sweep_of_the_larger_budget_too():
+    """Sections drafters_budget and drafters_budget_economics: the crossover goal is met where a DFlash row crosses
+    over later than EAGLE-3 in either sweep; not met, both sweeps' figures are listed with their training budgets."""
+    from draftsmith.bench.__main__ import _shortfalls
+    from draftsmith.bench.heads import _render_budget, crossover_shortfall
+
+    def crossing(batch_size):
+        return {"crossover_batch_size": batch_size, "speedup_by_batch_size": {"1": 2.0, "128": 0.9},
+                "by_k": {"1": {}, "128": {}}}
+
+    def rows(seconds):
+        row = {"speedup_vs_plain": 2.0, "budget_seconds": seconds, "train_steps": 10, "train_seconds": seconds, "tau": 4.0,
+               "draft_to_target_cost_c": 0.1, "exact": "16/16"}
+        return {"eagle3-k7": row, "dflash-b8": row | {"speedup_vs_plain": 2.4}}
+    short = {"eagle3-k7": crossing(32), "dflash-b8": crossing(32)}
+    r = {"capture": {"compact-bf16": {"ratio_vs_specforge": 0.4, "ratio_vs_plain_forward": 1.0},
+                     "compact-fp8": {"ratio_vs_specforge": 0.2}},
+         "runtime": {"speedup_vs_hf_generate": 2.5, "speedup_vs_plain": 2.0, "tau": 5.0}, "date": "today",
+         "drafters": rows(120.0), "drafters_economics": short, "drafters_budget": rows(480.0)}
+    assert crossover_shortfall(short) == "dflash-b8 32 against EAGLE-3's 32"
+    assert crossover_shortfall({"eagle3-k7": crossing(32), "dflash-b8": crossing(64)}) == ""
+    assert crossover_shortfall({"eagle3-k7": crossing(32)}) is None
+    alike = r | {"drafters_budget_economics": {"eagle3-k7": crossing(64), "dflash-b8": crossing(64)}}
+    assert ("DFlash's crossover batch size: dflash-b8 32 against EAGLE-3's 32 at 120 s of training each; dflash-b8 64 "
+            "against EAGLE-3's 64 at 480 s of training each (goal: higher)") in "\n".join(_shortfalls(alike))
+    assert "(goal: a higher crossover: not met)" in "\n".join(_render_budget(alike))
+    later = r | {"drafters_budget_economics": {"eagle3-k7": crossing(32), "dflash-b8": crossing(128)}}
+    assert "crossover" not in "\n".join(_shortfalls(later))
+    text = "\n".join(_render_budget(later))
+    assert "| dflash-b8 | 2.00x | 0.90x | 128 |" in text
+    assert "At this budget dflash-b8 crosses over at 128 against EAGLE-3's 32 (goal: a higher crossover: met)" in text
+
+
 def test_the_drafters_goals_name_each_rows_crossover_and_the_machine_of_each_section():
     from draftsmith.bench.heads import _crossover, _machine
     econ = {"eagle3-k7": {"crossover_batch_size": 32}, "eagle3.1+lk": {"crossover_batch_size": 64},

@@ -28,8 +28,8 @@ from draftsmith import recipe as recipe_mod
 from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
-from draftsmith.bench.heads import (BUDGET_RUNS, DFLASH_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
-                                   bench_heads, bench_medusa, dflash_ratios, render_drafters, render_heads)
+from draftsmith.bench.heads import (BUDGET_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
+                                   bench_heads, bench_medusa, crossover_shortfall, dflash_ratios, render_drafters, render_heads)
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
@@ -149,17 +149,12 @@ def _shortfalls(r: dict) -> list[str]:
             ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()) +
             f" EAGLE-3's speedup at {rows['eagle3-k7']['budget_seconds']:.0f} s of training each"
             for rows, ratios in budgets) + " (goal 1.3x); see the parallel drafting section for the batched sweep and the second target.")
-    crossing = {name: econ[name]["crossover_batch_size"] or 10**9 for name in DFLASH_RUNS if name in econ}
-    if crossing and "eagle3-k7" in econ and max(crossing.values()) <= (econ["eagle3-k7"]["crossover_batch_size"] or 10**9):
-        e, last = econ["eagle3-k7"], list(econ["eagle3-k7"]["speedup_by_batch_size"])[-1]
-        if e["crossover_batch_size"] is None and max(crossing.values()) == 10**9:  # neither crosses: the sweep cannot tell
-            out.append(f"- DFlash's crossover batch size: neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; "
-                       f"at B = {last} " + ", ".join(f"{name} {econ[name]['speedup_by_batch_size'][last]:.2f}x" for name in crossing) +
-                       f" against {e['speedup_by_batch_size'][last]:.2f}x), so a higher crossover is not shown (goal: higher).")
-        else:
-            out.append("- DFlash's crossover batch size: " + ", ".join(
-                f"{name} {econ[name]['crossover_batch_size'] or 'none within the sweep'}" for name in crossing) +
-                f" against EAGLE-3's {e['crossover_batch_size'] or f'none within the sweep (B <= {last})'} (goal: higher).")
+    sweeps = [(rows["eagle3-k7"]["budget_seconds"], crossover_shortfall(sweep)) for rows, sweep in (
+        (drafters, econ), (r.get("drafters_budget") or {}, r.get("drafters_budget_economics") or {})) if "eagle3-k7" in rows]
+    sweeps = [(seconds, text) for seconds, text in sweeps if text is not None]
+    if sweeps and all(text for _, text in sweeps):  # no sweep in which a DFlash row crosses over later than EAGLE-3
+        out.append("- DFlash's crossover batch size: " + "; ".join(
+            f"{text} at {seconds:.0f} s of training each" for seconds, text in sweeps) + " (goal: higher).")
     long_points = ((r.get("long_context") or {}).get("points") or {})
     best = [p for p in long_points.values() if (p.get("32768") or {}).get("fits")]
     if long_points and not best:

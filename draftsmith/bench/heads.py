@@ -383,6 +383,13 @@ def _render_budget(r: dict) -> list[str]:
                      f"{h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | {_side(h)} | "
                      f"{speed(h) / speed(base):.2f}x | "
                      f"{f'{was:.2f}x' if was is not None else '-'} | {h['exact']} |")
+    econ = r.get("drafters_budget_economics")
+    if econ and "eagle3-k7" in econ:
+        shortfall = crossover_shortfall(econ)
+        lines += _render_sweep(r, econ, "drafters_budget_economics") + ["", "- At this budget " + ", ".join(
+            f"{name} crosses over at {econ[name]['crossover_batch_size'] or 'none within the sweep'}" for name in DFLASH_RUNS
+            if name in econ) + f" against EAGLE-3's {econ['eagle3-k7']['crossover_batch_size'] or 'none within the sweep'} "
+            f"(goal: a higher crossover: {'met' if shortfall == '' else 'not met'})."]
     return lines + [""]
 
 
@@ -409,15 +416,16 @@ def _render_second_target(r: dict) -> list[str]:
     return lines + [""]
 
 
-def _render_sweep(r: dict, econ: dict) -> list[str]:
-    """The batched sweep of the `drafters` heads (section `drafters_economics`): best speedup per batch size, crossover."""
+def _render_sweep(r: dict, econ: dict, section: str = "drafters_economics") -> list[str]:
+    """The batched sweep of one section's heads (`drafters_economics`, `drafters_budget_economics`): best speedup per
+    batch size, crossover, and per K at B = 128."""
     sizes = list(next(iter(econ.values()))["speedup_by_batch_size"])
     lines = ["", "In the batched sweep (`draftsmith economics` on the same heads, all of them in one sweep "
               "(`economics.compare`): at each B plain decoding and every head at K 3, 7 and 15 (each as many as it drafts) run in turn, twice "
               "(`economics.repeats: 2`), plain decoding between the heads; greedy, 16 prompts repeated to fill B rows, "
               "48 new tokens, the better K per B; speedup over the plain batched runs beside each run at the same B (the "
               "median of the two); "
-              f"{r.get('measured', {}).get('drafters_economics', r['date'])}. On this shared machine, whose speed "
+              f"{r.get('measured', {}).get(section, r['date'])}. On this shared machine, whose speed "
               "varied by up to 1.5x within a session, a cell still moves between sweeps, and the non-monotone "
               "rows show it; the heads' ratios at one B, measured minutes apart, move less):", "",
               "| drafter | " + " | ".join(f"B = {b}" for b in sizes) + " | crossover (plain faster from) |",
@@ -443,6 +451,23 @@ def _render_sweep(r: dict, econ: dict) -> list[str]:
                 f"{c['speedup']:.2f}x, tau {c['tau']:.2f}, {c['draft_ms']:.1f} / {c['verify_ms']:.1f} ms" if (c := cells.get(str(k))) else "-"
                 for k in ks) + " |")
     return lines
+
+
+def crossover_shortfall(econ: dict) -> str | None:
+    """The crossover goal in one sweep: None where it has no DFlash row or no EAGLE-3, '' where a DFlash row crosses
+    over at a larger batch size than EAGLE-3 (met), else the figures ('dflash-b16 32, ... against EAGLE-3's 32')."""
+    crossing = {name: econ[name]["crossover_batch_size"] or 10**9 for name in DFLASH_RUNS if name in econ}
+    if not crossing or "eagle3-k7" not in econ:
+        return None
+    e, last = econ["eagle3-k7"], list(econ["eagle3-k7"]["speedup_by_batch_size"])[-1]
+    if max(crossing.values()) > (e["crossover_batch_size"] or 10**9):
+        return ""
+    if e["crossover_batch_size"] is None and max(crossing.values()) == 10**9:  # neither crosses over: the sweep cannot tell
+        return (f"neither DFlash nor EAGLE-3 crosses over within the sweep (B <= {last}; at B = {last} " +
+                ", ".join(f"{name} {econ[name]['speedup_by_batch_size'][last]:.2f}x" for name in crossing) +
+                f" against {e['speedup_by_batch_size'][last]:.2f}x), so a higher crossover is not shown")
+    return ", ".join(f"{name} {econ[name]['crossover_batch_size'] or 'none within the sweep'}" for name in crossing) + \
+        f" against EAGLE-3's {e['crossover_batch_size'] or f'none within the sweep (B <= {last})'}"
 
 
 def _crossover(econ: dict | None, name: str) -> str:

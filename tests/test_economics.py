@@ -180,17 +180,18 @@ def test_batched_decoding_is_exact_per_row(tiny_pair):
     assert result.tokens == [o[:10] for o in oracle] and all(a == [7, 7] for a in result.accept_lengths)
 
 
-@pytest.mark.parametrize("name", ["eagle3 tree", "medusa"])
+@pytest.mark.parametrize("name", ["eagle3 tree", "medusa", "eagle3 chain", "plain"])
 def test_batched_sampling_follows_the_target(tiny_pair, name):
     """Sampled speculative decoding of 4 rows at once (the same prompt in every row, one batched drafter):
-    the first two tokens follow the target's exact joint distribution (drafts sampled with proposals too)."""
+    the first two tokens follow the target's exact joint distribution (drafts sampled with proposals too; chains, and
+    plain decoding's roots, verified for every row in one pass, `verify_sampling_rows`)."""
     import torch
 
     from draftsmith.runtime.batched import BatchRunner, batched_generate
     from conftest import two_token_joint
     from draftsmith.runtime.verify import SamplingConfig
     target, small = tiny_pair
-    ids, make = _batched_kinds(target, small)[name]
+    ids, make = _batched_kinds(target, small)[name] if name != "plain" else ([], lambda b: None)
     cfg, B, num_samples = SamplingConfig(temperature=1.0, top_k=4), 4, 1600
     prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(11))
     joint = two_token_joint(target, prompt, cfg)

@@ -12,7 +12,7 @@ from draftsmith.heads.tree import Tree, ancestor_mask, assemble_tree, chain_tree
 from draftsmith.runtime.compile import step_compiler
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.target import TargetRunner
-from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_greedy_rows, verify_sampling
+from draftsmith.runtime.verify import SamplingConfig, processed_probs, verify_greedy, verify_greedy_rows, verify_sampling, verify_sampling_rows
 from conftest import two_token_total_variation
 
 GREEDY = SamplingConfig()
@@ -173,6 +173,48 @@ def test_tree_sampling_follows_target_distribution_on_toy(seed):
     assert counts[~seen].sum() == 0          # never emits what top-k/top-p removed
     assert chi2 < 30.0                       # dof <= 5: p-value far below 1e-4 at this bound
     assert _tv(counts, p) < 0.02
+
+
+def _chain_outcomes(tokens_N: torch.Tensor, size: int, probs_NV: torch.Tensor) -> dict:
+    """The exact law of (accepted nodes, bonus token) of one chain under `verify_sampling`'s rule: j drafts accepted with
+    probability prod_{i<j} p_i(x_{i+1}), then the bonus y from p_j (y != x_{j+1} where draft j + 1 was refused)."""
+    law, reach = {}, 1.0
+    for j in range(size):
+        for y in range(probs_NV.shape[-1]):
+            if j + 1 < size and y == tokens_N[j + 1]:
+                continue
+            law[(j + 1, y)] = law.get((j + 1, y), 0.0) + reach * probs_NV[j, y].item()
+        if j + 1 < size:
+            reach *= probs_NV[j, tokens_N[j + 1]].item()
+    return law
+
+
+def test_batched_chain_sampling_follows_the_exact_rule():
+    """`verify_sampling_rows` (every row's chain in one pass) against the exact law of verify_sampling's rule: rows of
+    four sizes at once (a root alone, as plain decoding; drafts likely, middling and outside top-k), 6000 rows each;
+    the paths list each row's accepted nodes root first."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, N = 8, 4
+    logits = torch.randn(N, vocab, generator=gen) * 2
+    cfg = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
+    probs = processed_probs(logits, cfg)
+    order = torch.argsort(probs, dim=-1, descending=True)
+    chain = torch.tensor([3, order[0, 0], order[1, 2], order[2, 7]])   # likely, middling, then a draft top-k removed
+    sizes, rows = [1, 2, 3, 4], 6000
+    B = rows * len(sizes)
+    tokens = chain.expand(B, N).clone()
+    sizes_B = torch.tensor(sizes).repeat_interleave(rows)
+    paths, counts, bonus = verify_sampling_rows(tokens, sizes_B, logits.expand(B, N, vocab), cfg, gen)
+    assert bool((counts <= sizes_B).all()) and bool((paths[:, 0] == 0).all())
+    assert bool((paths == torch.arange(paths.shape[1])).all())
+    for g, size in enumerate(sizes):
+        seen = {}
+        for c, y in zip(counts[g * rows:(g + 1) * rows].tolist(), bonus[g * rows:(g + 1) * rows].tolist()):
+            seen[(c, y)] = seen.get((c, y), 0) + 1
+        law = _chain_outcomes(chain, size, probs)
+        assert all(law.get(k, 0.0) > 0 for k in seen), (size, seen)   # never an outcome the rule cannot give
+        tv = 0.5 * sum(abs(seen.get(k, 0) / rows - law.get(k, 0.0)) for k in set(law) | set(seen))
+        assert tv < 0.04, (size, tv)       # <= 20 outcomes, 6000 samples: noise alone gives ~0.02
 
 
 def test_sampled_speculative_matches_plain_sampling_on_model(tiny):

@@ -2,7 +2,8 @@
 own committed length, its own draft tree (padded to the batch's largest) and its own accepted path,
 verified in one target forward per round. Plain batched decoding is the same loop with one-node trees, built for the
 whole batch at once; greedy verification checks every row's tree in one pass (`verify_greedy_rows`), so that neither
-pays a host step per row (sampling verifies row by row).
+pays a host step per row; sampling does too over chains and plain decoding's roots (`verify_sampling_rows`), and row
+by row over trees (their proposals differ per row).
 
 Cache layout per round: every row's tree KV is written at one shared scratch offset S = max(lengths)
 (the static cache writes all rows at the same slots); row b attends to its committed [0, length_b)
@@ -21,7 +22,7 @@ from draftsmith.heads.drafting import Commits
 from draftsmith.heads.tree import Chains, Tree, chain_tree
 from draftsmith.runtime.generate import _finish, _sync
 from draftsmith.runtime.target import TargetRunner, layer_states
-from draftsmith.runtime.verify import SamplingConfig, sample_token, verify, verify_greedy_rows
+from draftsmith.runtime.verify import SamplingConfig, sample_token, verify, verify_greedy_rows, verify_sampling_rows
 
 
 class BatchRunner(TargetRunner):
@@ -213,11 +214,16 @@ def pad_paths(paths: list[torch.Tensor], device) -> torch.Tensor:
 
 def _verdicts(padded, trees: list[Tree] | None, logits_BNV, sampling, gen, done: list[bool]):
     """(accepted node paths [B, A], counts [B] list, bonus tokens [B]) of a round over the `pad_trees` of `trees` (None:
-    plain decoding's one-node trees); finished rows keep nothing. Greedy verifies every row in one pass
-    (`verify_greedy_rows`), sampling row by row (`verify`, which reads a tree's proposals)."""
+    plain decoding's one-node trees, or chains padded by `pad_chains`); finished rows keep nothing. Greedy verifies every
+    row in one pass (`verify_greedy_rows`), and so does exact sampling over chains (`verify_sampling_rows`: their drafts
+    are deterministic); trees are sampled row by row (`verify`, which reads a tree's proposals), and so is typical
+    acceptance."""
     tokens, depth, mask, parent, sizes = padded
     if sampling.greedy:
         paths, counts, bonus = verify_greedy_rows(tokens, parent, depth, mask, sizes, logits_BNV)
+        return paths, [0 if d else c for c, d in zip(counts.tolist(), done)], bonus
+    if trees is None and sampling.acceptance != "typical":
+        paths, counts, bonus = verify_sampling_rows(tokens, sizes, logits_BNV, sampling, gen)
         return paths, [0 if d else c for c, d in zip(counts.tolist(), done)], bonus
     trees = trees or [chain_tree(root, root.view(1)[:0]) for root in tokens[:, 0]]
     verdicts = [None if done[b] else verify(tree, logits_BNV[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
@@ -267,7 +273,7 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
             trees, padded = None, root_nodes(roots)
         else:
             drafted = drafter.draft_trees(roots)
-            if isinstance(drafted, Chains) and sampling.greedy:  # every row's chain at once (no tree is read)
+            if isinstance(drafted, Chains) and (sampling.greedy or sampling.acceptance != "typical"):  # every row's chain at once
                 trees, padded = None, pad_chains(drafted.tokens_BN, done, num_nodes)
             else:
                 trees = [chain_tree(root, root.view(1)[:0]) if done[b] else drafted[b] for b, root in enumerate(roots)]

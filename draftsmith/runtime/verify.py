@@ -89,6 +89,33 @@ def verify_greedy_rows(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, depth_B
     return order[:, :int(counts.max())], counts, argmax.gather(1, best[:, None]).squeeze(1)
 
 
+def verify_sampling_rows(tokens_BN: torch.Tensor, sizes_B: torch.Tensor, logits_BNV: torch.Tensor, cfg: SamplingConfig,
+                         gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_sampling` for a batch of padded chains of deterministic drafts in one pass (row b: its root, then
+    sizes_B[b] - 1 drafts, node i the child of node i - 1; `pad_chains`, or plain decoding's roots alone): (accepted node
+    indices [B, A] root first, their counts [B], bonus tokens [B]), as `verify_greedy_rows` returns them. Each row
+    follows `verify_sampling`'s rule: draft i + 1 is accepted with probability p_i(x_{i+1}); at the first rejection the
+    bonus is drawn from p_i without x_{i+1}, renormalised; with every draft accepted, from the last node's p. The coins
+    are drawn for the whole batch at once, so the output follows the same distribution as row by row, though a seed
+    gives other tokens."""
+    B, N = tokens_BN.shape
+    probs = processed_probs(logits_BNV, cfg)                                             # [B, N, V]
+    nodes = torch.arange(N, device=tokens_BN.device)
+    counts = torch.ones(B, dtype=torch.long, device=tokens_BN.device)
+    if N > 1:
+        p_next = probs[:, :-1].gather(-1, tokens_BN[:, 1:, None]).squeeze(-1)            # p_i(x_{i+1}) [B, N - 1]
+        coins = torch.rand(B, N - 1, generator=gen, device=probs.device)
+        accepted = (coins < p_next) & (nodes[1:] < sizes_B[:, None])
+        counts += accepted.long().cumprod(1).sum(1)
+    last = counts - 1                                                                    # the node the bonus follows
+    rejected = counts < sizes_B                                                          # its child was drawn and refused
+    refused = tokens_BN.gather(1, counts.clamp(max=N - 1)[:, None])                      # [B, 1]
+    p = probs[torch.arange(B, device=probs.device), last]
+    p = torch.where(rejected[:, None] & (torch.arange(p.shape[-1], device=p.device) == refused), 0.0, p)
+    bonus = torch.multinomial(p / p.sum(-1, keepdim=True), 1, generator=gen).squeeze(-1)
+    return nodes.expand(B, N)[:, :int(counts.max())], counts, bonus
+
+
 def _try_children(tree: Tree, node: int, probs: torch.Tensor, gen) -> tuple[int | None, torch.Tensor]:
     """Rejection over `node`'s children in order: (accepted child or None, what is left of p)."""
     row = -1 if tree.proposal_RV is None else int(tree.child_proposal_N[node])

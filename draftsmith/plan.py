@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.heads.eagle_layer import DEFAULT_DRAFT_VOCAB
 from draftsmith.targets.parallel import Layout, num_experts
 
 GIB = 2 ** 30
@@ -165,12 +166,13 @@ def head_activation_bytes(recipe, facts: TargetFacts) -> float:
     from draftsmith.heads.ttt import SCORE_BUDGET
     from draftsmith.train.batches import TEACHER_BUDGET
     T, steps, H = recipe.train.max_batch_tokens, recipe.head.ttt_steps or 1, facts.hidden
-    if recipe.head.kind == "dflash":  # anchors x block rows through num_layers layers; full-vocabulary logits per slot
+    if recipe.head.kind == "dflash":  # anchors x block rows through num_layers layers; (draft-)vocabulary logits per slot
         from draftsmith.heads.dflash.loss import SCORE_BUDGET as BLOCK_SCORES
         rows = min(recipe.head.num_anchors, T) * (recipe.head.block_size or 16)
         return (rows * recipe.head.num_layers * 24 * H * 4 + T * recipe.head.num_layers * 2 * H * 4
-                + rows * facts.vocab * 4 * 3 + min(rows * facts.heads * (T + rows), BLOCK_SCORES) * 4 * 3)
-    vocab = recipe.head.draft_vocab_size if recipe.head.kind in ("eagle3", "peagle") else facts.vocab
+                + rows * (recipe.head.draft_vocab_size or facts.vocab) * 4 * 3
+                + min(rows * facts.heads * (T + rows), BLOCK_SCORES) * 4 * 3)
+    vocab = (recipe.head.draft_vocab_size or DEFAULT_DRAFT_VOCAB) if recipe.head.kind in ("eagle3", "peagle") else facts.vocab
     if recipe.head.kind == "peagle":  # COD: depth d keeps a max(r^d, r_min) share of the positions, through N layers
         r, r_min = recipe.head.cod_ratio, recipe.head.cod_min_ratio
         steps = recipe.head.num_layers * (1 + sum(max(r ** d, r_min) for d in range(1, recipe.head.ttt_steps or 8)))

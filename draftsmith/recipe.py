@@ -141,7 +141,9 @@ class LoraJointConfig:
 class HeadConfig:
     """Which head and its objective. Keys a kind does not read are ignored by it (see README)."""
     kind: str = "eagle3"
-    draft_vocab_size: int = 32000       # eagle3: the draft vocabulary (eagle2 drafts over the full one)
+    draft_vocab_size: int | None = None  # eagle3, peagle: the draft vocabulary (None: 32000); dflash: None drafts over
+                                        # the target's whole vocabulary (z-lab), a size below it over the most frequent
+                                        # tokens, as speculators' DFlash (eagle2, mtp, medusa: always the whole one)
     ttt_steps: int | None = None        # unrolled training-time-test steps (peagle: depths trained, the draft tokens
                                         # of one forward); None: the kind's default (eagle3 7, peagle 8)
     loss_decay: float | None = None     # weight decay^i of step/head i; None: the kind's default (0.8; mtp: beta 0.6, normalised)

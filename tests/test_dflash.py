@@ -216,7 +216,7 @@ def test_exports_are_what_the_engines_load_and_a_zlab_checkpoint_imports(target,
 def test_dflash_pipeline_trains_validates_and_exports(tmp_path, micro_target):
     from draftsmith.stages import run_all
     recipe = micro_recipe(tmp_path, micro_target, "head.kind=dflash", "head.block_size=4", "head.num_layers=1",
-                          "head.num_anchors=16", "train.max_steps=4", "validate.num_prompts=2", "validate.max_new_tokens=12",
+                          "head.num_anchors=16", "head.draft_vocab_size=null", "train.max_steps=4", "validate.num_prompts=2", "validate.max_new_tokens=12",
                           "validate.top_k=1", "validate.num_nodes=4")
     summary = run_all(recipe)
     assert "greedy exact: True" in summary
@@ -226,6 +226,25 @@ def test_dflash_pipeline_trains_validates_and_exports(tmp_path, micro_target):
     card = (recipe.run_dir / "export" / "vllm" / "README.md").read_text()
     assert '"method": "dflash"' in card
     assert "speculation_type='dflash'" in (recipe.run_dir / "export" / "transformers" / "README.md").read_text()
+
+
+def test_dflash_pipeline_with_a_draft_vocabulary(tmp_path, micro_target):
+    """The pipeline with head.draft_vocab_size: the trainer's frequency vocabulary and teacher over it, a checkpoint
+    carrying the lm_head rows and maps, exact validation, the vLLM and speculators exports, SGLang's skipped."""
+    from safetensors.torch import load_file
+    from draftsmith.stages import run_all
+    recipe = micro_recipe(tmp_path, micro_target, "head.kind=dflash", "head.block_size=4", "head.num_layers=1",
+                          "head.num_anchors=16", "head.draft_vocab_size=128", "train.max_steps=4", "validate.num_prompts=2",
+                          "validate.max_new_tokens=12", "validate.top_k=1", "validate.num_nodes=4")
+    summary = run_all(recipe)
+    assert "greedy exact: True" in summary and "exported    vllm, speculators" in summary
+    assert "sglang: SGLang's DFLASH drafts through the target's lm_head" in summary
+    vllm = recipe.run_dir / "export" / "vllm"
+    assert json.loads((vllm / "config.json").read_text())["draft_vocab_size"] == 128
+    weights = load_file(str(vllm / "model.safetensors"))
+    assert tuple(weights["lm_head.weight"].shape)[0] == 128 and tuple(weights["d2t"].shape) == (128,)
+    assert json.loads((recipe.run_dir / "export" / "speculators" / "config.json").read_text())["draft_vocab_size"] == 128
+    assert not (recipe.run_dir / "export" / "sglang" / "config.json").exists()
 
 
 def test_commits_waiting_for_a_block_join_in_order(target):
@@ -439,3 +458,72 @@ def test_transformers_dflash_generation_drafts_what_our_drafter_drafts(target, t
     assert meta["source_format"] == "transformers" and loaded.config["draftsmith"]["layer_ids"] == IDS
     again = speculative_generate(runner, DFlashDrafter(loaded, 128, TreeConfig(4, 1, 5)), prompt, new, SamplingConfig(), set())
     assert again.accept_lengths == spec.accept_lengths
+
+
+def _vocab_head(target, draft_vocab=40, block=4):
+    """A DFlash head drafting over `draft_vocab` target tokens (speculators' option): the maps as the trainer sets them."""
+    torch.manual_seed(0)
+    head = DFlashHead.from_target(target.config, HeadConfig(kind="dflash", block_size=block, num_layers=2, num_anchors=8,
+                                                            draft_vocab_size=draft_vocab), IDS)
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:draft_vocab].sort().values  # draft id -> target id
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    head.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    head.load_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return head, kept
+
+
+def test_a_draft_vocabulary_trains_drafts_exactly_and_exports_for_vllm_and_speculators(target, tmp_path):
+    """head.draft_vocab_size below the target's: lm_head holds the target's rows of those tokens; the head overfits a
+    batch whose tokens lie in it; drafts are target ids of the draft vocabulary and greedy decoding stays exact; vLLM's
+    z-lab layout gets draft_vocab_size, lm_head [Vd, H] and d2t (target = draft + d2t), speculators' its maps, SGLang
+    and transformers (no lm_head of their own) refuse it; the vLLM export imports back and drafts alike."""
+    from draftsmith.heads.dflash.formats import to_sglang
+    from draftsmith.heads.hf_layout import NotServable
+    head, kept = _vocab_head(target)
+    assert head.config["draft_vocab_size"] == 40 and tuple(head.lm_head.weight.shape) == (40, H)
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[kept])
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(head.trainable_state())
+    ids = kept[torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(2))]
+    batch = _batch(target, T=10)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    following = torch.searchsorted(kept, ids.roll(-1, 1))                                   # draft ids of the next tokens
+    batch.update(input_ids=ids, aux=torch.cat([out.hidden_states[k] for k in IDS], -1), target_argmax=following,
+                 target_probs=torch.nn.functional.one_hot(following, 40).float())
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(120):
+        loss, metrics = head(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[kept])  # frozen
+    head.eval()
+    runner, prompt = TargetRunner(target, 96, IDS), torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(3))
+    drafter = DFlashDrafter(head, 96, TreeConfig(3, 1, 4))
+    spec = speculative_generate(runner, drafter, prompt, 24, SamplingConfig(), set())
+    assert spec.tokens == plain_generate(runner, prompt, 24, SamplingConfig(), set()).tokens
+    chain = drafter.draft_trees(prompt[-1:])[0]
+    assert set(chain.tokens_N[1:].tolist()) <= set(kept.tolist())
+    config, tensors = to_vllm(head.trainable_state(), head.config, "fp32")
+    assert config["draft_vocab_size"] == 40
+    shapes = _zlab_shapes(config) | {"lm_head.weight": (40, H), "d2t": (40,), "t2d": (V,)}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+    assert torch.equal(torch.arange(40) + tensors["d2t"], kept)                             # vLLM's draft_id_to_target_id
+    spec_config, spec_tensors = to_speculators(head.trainable_state(), head.config, "fp32")
+    assert spec_config["draft_vocab_size"] == 40 and int(spec_tensors["t2d"].sum()) == 40
+    assert tuple(spec_tensors["lm_head.weight"].shape) == (40, H)
+    for refuses in (to_sglang, to_transformers):
+        with pytest.raises(NotServable, match="draft vocabulary"):
+            refuses(head.trainable_state(), head.config, "fp32")
+    exported = tmp_path / "vllm"
+    exported.mkdir()
+    (exported / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items() if k != "t2d"}, str(exported / "model.safetensors"))
+    loaded, _ = load_head(exported, target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    assert torch.equal(loaded.t2d, head.t2d) and torch.equal(loaded.lm_head.weight, head.lm_head.weight)
+    again = speculative_generate(runner, DFlashDrafter(loaded, 96, TreeConfig(3, 1, 4)), prompt, 24, SamplingConfig(), set())
+    assert again.accept_lengths == spec.accept_lengths
+    with pytest.raises(ValueError, match="head.draft_vocab_size=65"):
+        DFlashHead.from_target(target.config, HeadConfig(kind="dflash", draft_vocab_size=65), IDS)

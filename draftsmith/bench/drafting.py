@@ -21,6 +21,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 def _factories(recipe, model, tokenizer, k: int, max_len: int) -> dict:
     """name -> (layer ids the drafter's features come from, factory(batch_size) -> drafter)."""
     from draftsmith.data.capture import layer_ids_for
+    from draftsmith.heads.eagle_layer import DEFAULT_DRAFT_VOCAB
     from draftsmith.heads.registry import head_spec
     from draftsmith.runtime.baselines import DraftModelDrafter, NgramDrafter, chain_config
     text = model.config.get_text_config()
@@ -28,7 +29,7 @@ def _factories(recipe, model, tokenizer, k: int, max_len: int) -> dict:
     out = {}
     for kind, path in KIND_RECIPES.items():
         head_cfg = recipe_mod.load(ROOT / path, [f"target.model={recipe.target.model}"]).head
-        head_cfg.draft_vocab_size = min(head_cfg.draft_vocab_size, text.vocab_size)
+        head_cfg.draft_vocab_size = min(head_cfg.draft_vocab_size or DEFAULT_DRAFT_VOCAB, text.vocab_size)
         spec = head_spec(kind)
         layer_ids = layer_ids_for(recipe, text.num_hidden_layers, spec.features)
         torch.manual_seed(0)

@@ -70,7 +70,10 @@ class EagleLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def eagle_config_from_target(target_config, draft_vocab_size: int, layer_ids: list[int],
+DEFAULT_DRAFT_VOCAB = 32000  # EAGLE-3 and P-EAGLE heads' draft vocabulary where the recipe names none
+
+
+def eagle_config_from_target(target_config, draft_vocab_size: int | None, layer_ids: list[int],
                              intermediate_size: int | None = None, num_layers: int = 1,
                              architectures: list[str] | None = None, **extra) -> dict:
     """An EAGLE-style head's HF-style config: Llama layers sized from the target, whatever its family (dense,
@@ -97,7 +100,7 @@ def eagle_config_from_target(target_config, draft_vocab_size: int, layer_ids: li
         "hidden_act": "silu",  # the engines' Llama draft layer runs SiLU whatever the target's MLP does
         "max_position_embeddings": target_value(t, "max_position_embeddings", defaults),
         "rope_theta": rope_theta, "rope_scaling": scaling,
-        "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+        "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab_size or DEFAULT_DRAFT_VOCAB, "tie_word_embeddings": False,
         **extra,
         "bos_token_id": getattr(t, "bos_token_id", None), "eos_token_id": getattr(t, "eos_token_id", None),
         "draftsmith": {"layer_ids": list(layer_ids), "layer_convention": "input-to-layer", "defaults": defaults,

@@ -85,11 +85,11 @@ class DFlashDrafter(BatchOfOne):
     @torch.no_grad()
     def draft_trees(self, roots_B: torch.Tensor) -> list[Tree]:
         logits = self.block_logits(roots_B, self.depth)
-        return marginal_trees(roots_B, logits, self.tree_cfg.top_k, self.tree_cfg.num_nodes)
+        return marginal_trees(roots_B, logits, self.tree_cfg.top_k, self.tree_cfg.num_nodes, self.head.to_target_ids)
 
     @torch.no_grad()
     def block_logits(self, roots_B: torch.Tensor, slots: int | None = None) -> torch.Tensor:
-        """[B, slots, V] fp32 (default block_size - 1): for every row, in one forward, the block [root, MASK x slots]
+        """[B, slots, V] fp32 over the head's (draft) vocabulary (slots default block_size - 1): for every row, in one forward, the block [root, MASK x slots]
         (every slot sees the block both ways), as an engine serving it with num_speculative_tokens = slots runs it:
         at large batch sizes a short block costs a fraction of the full one."""
         N, B = (slots or self.head.block_size - 1) + 1, len(roots_B)  # the block: its root and `slots` masks

@@ -4,10 +4,13 @@
   DFlashQwen3ForCausalLM; SGLang's `DFLASH`): `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`,
   `block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` with z-lab's
   output-of-layer ids (ours - 1; both engines add one when they capture), Qwen3 sizes, no embedding or lm_head
-  (the engines share the target's).
+  (the engines share the target's). A head with a draft vocabulary adds `draft_vocab_size` and the tensors
+  `lm_head.weight` [draft_vocab_size, H], `d2t` and `t2d`, which vLLM's DFlash loads (target id = draft id + d2t);
+  SGLang's DFLASH has no lm_head of its own, so such a head is not written for it.
 - `speculators`: `speculators_model_type: "dflash"`, `DFlashSpeculator`, `transformer_layer_config` (a Qwen3
   config), `aux_hidden_state_layer_ids` (ours), `block_size`, `mask_token_id`, `speculators_config`, and the
-  target's `embed_tokens.weight` and `lm_head.weight` with identity `d2t`/`t2d` (read from the target directory).
+  target's `embed_tokens.weight` and `lm_head.weight` with identity `d2t`/`t2d` (read from the target directory);
+  with a draft vocabulary, `draft_vocab_size`, the head's own lm_head rows and maps.
 - `transformers`: transformers' own DFlash assistant (`MuseGlimmerAssistantModel`, model_type
   `muse_glimmer_assistant`), which `generate(..., assistant_model=..., speculation_type="dflash")` drafts with:
   `target_layer_ids` (z-lab's output-of-layer ids), `block_size` and `mask_token_id` at the top level, the context
@@ -31,6 +34,8 @@ REQUIRED = ("fc.weight", "hidden_norm.weight", "norm.weight")
 
 def _zlab_config(config: dict, dtype: str, engine: str) -> dict:
     out = {key: config[key] for key in HF_LAYER_KEYS if key in config}
+    if config.get("draft_vocab_size"):
+        out["draft_vocab_size"] = config["draft_vocab_size"]
     out.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=config["block_size"],
                num_target_layers=config["num_target_layers"], target_hidden_size=config["target_hidden_size"],
                layer_types=config["layer_types"], sliding_window=config.get("sliding_window"),
@@ -47,6 +52,9 @@ def to_vllm(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[
 
 
 def to_sglang(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    if config.get("draft_vocab_size"):
+        raise NotServable(f"SGLang's DFLASH drafts through the target's lm_head, over its whole vocabulary; this head drafts "
+                          f"over a draft vocabulary of {config['draft_vocab_size']} (head.draft_vocab_size): use vllm or speculators")
     return _zlab_config(config, dtype, "sglang"), cast(tensors, dtype)
 
 
@@ -55,14 +63,14 @@ def to_speculators(tensors: dict, config: dict, dtype: str, target: str = "") ->
     layer.update(model_type="qwen3", attention_bias=False, layer_types=config["layer_types"],
                  sliding_window=config.get("sliding_window"), use_sliding_window=bool(config.get("sliding_window")))
     verifier = []
-    out = dict(tensors)
+    out, V = dict(tensors), config.get("draft_vocab_size") or config["vocab_size"]
     if target and (Path(target) / "config.json").exists():
         from draftsmith.targets.loading import load_target_embeddings
         embed, lm_head = load_target_embeddings(target)
-        out.update({"embed_tokens.weight": embed, "lm_head.weight": lm_head})
+        out.update({"embed_tokens.weight": embed} | ({} if config.get("draft_vocab_size") else {"lm_head.weight": lm_head}))
         verifier = json.loads((Path(target) / "config.json").read_text()).get("architectures", [])
-    V = config["vocab_size"]
-    out.update(d2t=torch.zeros(V, dtype=torch.long), t2d=torch.ones(V, dtype=torch.bool))
+    if not config.get("draft_vocab_size"):  # the whole vocabulary: identity maps
+        out.update(d2t=torch.zeros(V, dtype=torch.long), t2d=torch.ones(V, dtype=torch.bool))
     speculative = config["block_size"] - 1
     return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.2.0",
             "transformer_layer_config": layer, "draft_vocab_size": V, "block_size": config["block_size"],
@@ -79,6 +87,9 @@ TRANSFORMERS_NAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "e
 
 
 def to_transformers(tensors: dict, config: dict, dtype: str, target: str = "") -> tuple[dict, dict]:
+    if config.get("draft_vocab_size"):
+        raise NotServable("transformers' DFlash assistant drafts through the target's lm_head, over its whole vocabulary; "
+                          "this head drafts over a draft vocabulary (head.draft_vocab_size): use vllm or speculators")
     if "sliding_attention" in config["layer_types"]:
         raise NotServable("transformers' DFlash assistant attends both ways inside the block in its sliding layers, this "
                           "head's sliding layers causally (SpecForge's and vLLM's convention): use vllm, sglang or speculators")
@@ -154,16 +165,27 @@ def import_layout(path: Path, raw: dict, target_config) -> tuple[dict, dict, dic
         block, mask = dflash.get("block_size", raw.get("block_size")), dflash["mask_token_id"]
     window = layer.get("sliding_window") if layer.get("use_sliding_window", True) else None
     types = layer.get("layer_types")
+    vocab = (target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config).vocab_size
+    draft_vocab = raw.get("draft_vocab_size") if (raw.get("draft_vocab_size") or vocab) < vocab else None
     config = draft_config_from_target(target_config, ids, layer["num_hidden_layers"], block, mask,
                                       layer.get("intermediate_size"), window if types and "sliding_attention" in types else None,
-                                      types)
+                                      types, draft_vocab)
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"):
         if layer.get(key) is not None:
             config[key] = layer[key]
     config["target_hidden_size"] = raw.get("target_hidden_size") or config["target_hidden_size"]
     ours = {v: k for k, v in TRANSFORMERS_NAMES.items()}
+    shared = ("embed_tokens", "lm_head", "d2t", "t2d") if draft_vocab is None else ("embed_tokens",)
     tensors = {ours.get(k.removeprefix("model."), k.removeprefix("model.")): v for k, v in read_weights(path).items()
-               if not k.removeprefix("model.").startswith(("embed_tokens", "lm_head", "d2t", "t2d"))}
+               if not k.removeprefix("model.").startswith(shared)}
+    if draft_vocab is not None:
+        missing = [k for k in ("lm_head.weight", "d2t") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: config.json has draft_vocab_size {draft_vocab} (below the target's {vocab}) but the "
+                             f"weights lack {missing}: a DFlash head with a draft vocabulary carries its lm_head rows and d2t")
+        if "t2d" not in tensors:  # vLLM reads d2t alone: the target ids it marks
+            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+            tensors["t2d"][tensors["d2t"] + torch.arange(draft_vocab)] = True
     source = "speculators" if "speculators_model_type" in raw else "transformers" if transformers_layout else "z-lab"
     meta = {"kind": "dflash", "layer_ids": ids, "draft_config": config, "target_id": None, "source_format": source}
     return config, tensors, meta

@@ -7,6 +7,10 @@
               h = h + o_proj(attn(q_norm(q_proj(x)), K, V)) ; h = h + mlp(post_attention_layernorm(h))
     logits  = lm_head(norm(h))                               slots 1..B-1: the draft (the target's lm_head)
 
+With `draft_vocab_size` below the target's vocabulary (speculators' DFlash option) lm_head holds the target's
+lm_head rows of the draft vocabulary's tokens (frozen, saved with the head since no engine derives them), `d2t` maps
+a draft id to its target id (target = draft + d2t[draft]) and `t2d` marks the target ids it holds, as EAGLE-3's.
+
 A block query sees every context row strictly before its anchor and its whole block, both ways (the anchor's own
 feature is not known when drafting). Layers are Qwen3's (per-head q_norm/k_norm, GQA, RoPE at absolute positions,
 SwiGLU). Tensor names are the z-lab layout's: fc, hidden_norm, norm, layers.{i}.{input_layernorm,
@@ -21,7 +25,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftsmith.heads.base import DraftHead, full_attention_rope, mask_token, target_value as _target_value
+from draftsmith.heads.base import DraftHead, DraftVocabHead, full_attention_rope, mask_token, target_value as _target_value
 from draftsmith.heads.dflash.loss import dflash_loss
 
 DEFAULT_BLOCK_SIZE = 16
@@ -58,10 +62,15 @@ def draft_layer_types(num_layers: int, sliding_window: int | None, layer_types: 
 
 def draft_config_from_target(target_config, layer_ids: list[int], num_layers: int, block_size: int,
                              mask_token_id: int | None, intermediate_size: int | None = None,
-                             sliding_window: int | None = None, layer_types: list[str] | None = None) -> dict:
+                             sliding_window: int | None = None, layer_types: list[str] | None = None,
+                             draft_vocab_size: int | None = None) -> dict:
     """The z-lab-style config: a Qwen3 stack at the target's hidden size, the block size, the mask token; with
-    sliding layers, `layer_types`, `sliding_window` and `use_sliding_window` as z-lab writes them."""
+    sliding layers, `layer_types`, `sliding_window` and `use_sliding_window` as z-lab writes them; with a draft
+    vocabulary smaller than the target's, `draft_vocab_size` (vLLM's DFlash reads it, as speculators')."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    if draft_vocab_size is not None and not 0 < draft_vocab_size <= t.vocab_size:
+        raise ValueError(f"head.draft_vocab_size={draft_vocab_size}: expected 1 to the target's vocabulary size "
+                         f"({t.vocab_size}), or unset to draft over the whole vocabulary")
     defaults: list[str] = []
     rope_theta = full_attention_rope(t).get("rope_theta") or _target_value(t, "rope_theta", defaults)
     heads = t.num_attention_heads
@@ -79,6 +88,7 @@ def draft_config_from_target(target_config, layer_ids: list[int], num_layers: in
         "rms_norm_eps": _target_value(t, "rms_norm_eps", defaults), "hidden_act": "silu",
         "max_position_embeddings": _target_value(t, "max_position_embeddings", defaults),
         "rope_theta": rope_theta, "vocab_size": t.vocab_size, "tie_word_embeddings": False,
+        **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size and draft_vocab_size < t.vocab_size else {}),
         "layer_types": types, "sliding_window": window, "use_sliding_window": bool(window), "block_size": block_size,
         "num_target_layers": t.num_hidden_layers,
         "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [k - 1 for k in layer_ids], **swa},
@@ -160,7 +170,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashHead(DraftHead):
+class DFlashHead(DraftVocabHead):
     kind = "dflash"
     FROZEN = ("embed_tokens", "lm_head", "rotary")
 
@@ -177,16 +187,20 @@ class DFlashHead(DraftHead):
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config["num_hidden_layers"]))
         self.norm = LlamaRMSNorm(H, config["rms_norm_eps"])
         self.embed_tokens = nn.Embedding(V, H)
-        self.lm_head = nn.Linear(H, V, bias=False)
+        self.draft_vocab = config.get("draft_vocab_size") or V
+        self.lm_head = nn.Linear(H, self.draft_vocab, bias=False)
         for frozen in (self.embed_tokens, self.lm_head):
             frozen.weight.requires_grad_(False)
         self.rotary = LlamaRotaryEmbedding(_llama_config(config))
+        if self.draft_vocab < V:
+            self.add_vocab_maps(V, self.draft_vocab)
 
     @classmethod
     def from_target(cls, target_config, head_cfg, layer_ids: list[int]) -> "DFlashHead":
         block = head_cfg.block_size or DEFAULT_BLOCK_SIZE
         config = draft_config_from_target(target_config, layer_ids, head_cfg.num_layers, block, head_cfg.mask_token_id,
-                                          head_cfg.intermediate_size, head_cfg.sliding_window, head_cfg.layer_types)
+                                          head_cfg.intermediate_size, head_cfg.sliding_window, head_cfg.layer_types,
+                                          head_cfg.draft_vocab_size)
         return cls(config, head_cfg.num_anchors, head_cfg.loss_gamma, head_cfg.dpace_alpha)
 
     @classmethod
@@ -224,8 +238,30 @@ class DFlashHead(DraftHead):
     def logits(self, h_BNH):
         return self.lm_head(self.norm(h_BNH))
 
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if self.draft_vocab < len(t2d):
+            super().set_vocab(d2t, t2d)
+        else:
+            DraftHead.set_vocab(self, d2t, t2d)
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+        """The target's embedding, and its lm_head: whole, or the rows of the draft vocabulary's tokens (`set_vocab` first)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+            if lm_head is not None:
+                rows = lm_head if self.draft_vocab == len(lm_head) else lm_head[self.to_target_ids(torch.arange(
+                    self.draft_vocab, device=self.d2t.device)).to(lm_head.device)]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: with a draft vocabulary its lm_head rows too (frozen, but no engine derives them)."""
+        state = super().trainable_state()
+        if self.draft_vocab < self.embed_tokens.num_embeddings:
+            state["lm_head.weight"] = self.lm_head.weight
+        return state
+
     def to_target_ids(self, ids):
-        return ids
+        return super().to_target_ids(ids) if self.draft_vocab < self.embed_tokens.num_embeddings else ids
 
     def loss(self, batch: dict):
         return dflash_loss(self, batch)

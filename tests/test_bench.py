@@ -109,6 +109,9 @@ def test_the_drafters_goals_name_each_rows_crossover_and_the_machine_of_each_sec
     assert _crossover(econ, "eagle3.1+lk") == "; its crossover in the batched sweep is 64 against EAGLE-3's 32"
     assert _crossover(econ, "dflash-b8").endswith("beyond the sweep against EAGLE-3's 32")
     assert _crossover(econ, "peagle") == "" and _crossover(None, "dflash-b8") == ""
+    econ["eagle3-k7"]["speedup_by_batch_size"] = {"32": 0.998}
+    econ["eagle3.1+lk"]["speedup_by_batch_size"] = {"32": 1.04}
+    assert _crossover(econ, "eagle3.1+lk").endswith("64 against EAGLE-3's 32 (1.04x against 1.00x at B = 32)")
     r = {"date": "2026-12-01, AMD EPYC", "measured": {"drafters": "2026-12-06, Intel Xeon, 2 threads"}}
     assert (_machine(r, "drafters"), _machine(r, "drafters_budget")) == ("Intel Xeon", "AMD EPYC")
 

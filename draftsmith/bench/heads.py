@@ -476,11 +476,17 @@ def crossover_shortfall(econ: dict) -> str | None:
 
 
 def _crossover(econ: dict | None, name: str) -> str:
-    """'; its crossover in the batched sweep is X against EAGLE-3's Y' where the sweep ran the head, else ''."""
+    """'; its crossover in the batched sweep is X against EAGLE-3's Y' where the sweep ran the head, else ''; where the
+    two differ, both speedups at the smaller of them (how far apart they are where one crosses over)."""
     if not econ or name not in econ:
         return ""
     cross, e3 = econ[name]["crossover_batch_size"], econ["eagle3-k7"]["crossover_batch_size"]
-    return f"; its crossover in the batched sweep is {cross or 'beyond the sweep'} against EAGLE-3's {e3 or 'beyond the sweep'}"
+    text = f"; its crossover in the batched sweep is {cross or 'beyond the sweep'} against EAGLE-3's {e3 or 'beyond the sweep'}"
+    at = str(min(b for b in (cross, e3) if b)) if cross != e3 and (cross or e3) else ""
+    mine, theirs = econ[name].get("speedup_by_batch_size", {}), econ["eagle3-k7"].get("speedup_by_batch_size", {})
+    if at in mine and at in theirs:
+        text += f" ({mine[at]:.2f}x against {theirs[at]:.2f}x at B = {at})"
+    return text
 
 
 def _render_drafters(r: dict, rows: dict) -> list[str]:

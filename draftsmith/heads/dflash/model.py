@@ -192,7 +192,8 @@ class DFlashHead(DraftVocabHead):
         for frozen in (self.embed_tokens, self.lm_head):
             frozen.weight.requires_grad_(False)
         self.rotary = LlamaRotaryEmbedding(_llama_config(config))
-        if self.draft_vocab < V:
+        self.vocab_maps = self.draft_vocab < V  # a draft vocabulary: d2t/t2d and the lm_head rows it keeps
+        if self.vocab_maps:
             self.add_vocab_maps(V, self.draft_vocab)
 
     @classmethod
@@ -239,7 +240,7 @@ class DFlashHead(DraftVocabHead):
         return self.lm_head(self.norm(h_BNH))
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if self.draft_vocab < len(t2d):
+        if self.vocab_maps:
             super().set_vocab(d2t, t2d)
         else:
             DraftHead.set_vocab(self, d2t, t2d)
@@ -249,19 +250,19 @@ class DFlashHead(DraftVocabHead):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
             if lm_head is not None:
-                rows = lm_head if self.draft_vocab == len(lm_head) else lm_head[self.to_target_ids(torch.arange(
-                    self.draft_vocab, device=self.d2t.device)).to(lm_head.device)]
+                rows = lm_head[self.to_target_ids(torch.arange(self.draft_vocab, device=self.d2t.device)).to(lm_head.device)] \
+                    if self.vocab_maps else lm_head
                 self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps: with a draft vocabulary its lm_head rows too (frozen, but no engine derives them)."""
         state = super().trainable_state()
-        if self.draft_vocab < self.embed_tokens.num_embeddings:
+        if self.vocab_maps:
             state["lm_head.weight"] = self.lm_head.weight
         return state
 
     def to_target_ids(self, ids):
-        return super().to_target_ids(ids) if self.draft_vocab < self.embed_tokens.num_embeddings else ids
+        return super().to_target_ids(ids) if self.vocab_maps else ids
 
     def loss(self, batch: dict):
         return dflash_loss(self, batch)

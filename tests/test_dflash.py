@@ -134,16 +134,22 @@ def test_a_round_is_one_draft_forward(target):
                 torch.testing.assert_close(drafter.v[i, b, :, :n], v[b, :, :n], rtol=1e-5, atol=1e-6)
 
 
-def test_head_overfits_a_batch(target):
-    head, batch = _head(target, anchors=12), _batch(target, T=10)
-    batch["target_probs"] = torch.nn.functional.one_hot(batch["input_ids"].roll(-1, 1), V).float()
-    batch["target_argmax"] = batch["input_ids"].roll(-1, 1)
+def _overfit(head, batch, steps: int = 120) -> dict:
+    """The metrics of the last of `steps` AdamW steps on one batch."""
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(120):
+    for _ in range(steps):
         loss, metrics = head(batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return metrics
+
+
+def test_head_overfits_a_batch(target):
+    head, batch = _head(target, anchors=12), _batch(target, T=10)
+    batch["target_probs"] = torch.nn.functional.one_hot(batch["input_ids"].roll(-1, 1), V).float()
+    batch["target_argmax"] = batch["input_ids"].roll(-1, 1)
+    metrics = _overfit(head, batch)
     assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8
 
 
@@ -491,12 +497,7 @@ def test_a_draft_vocabulary_trains_drafts_exactly_and_exports_for_vllm_and_specu
     following = torch.searchsorted(kept, ids.roll(-1, 1))                                   # draft ids of the next tokens
     batch.update(input_ids=ids, aux=torch.cat([out.hidden_states[k] for k in IDS], -1), target_argmax=following,
                  target_probs=torch.nn.functional.one_hot(following, 40).float())
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(120):
-        loss, metrics = head(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    metrics = _overfit(head, batch)
     assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.8
     assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[kept])  # frozen
     head.eval()

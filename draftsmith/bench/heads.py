@@ -506,9 +506,15 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
     for name, h in rows.items():
         lines.append(f"| {name} | {h['train_steps']} ({h['train_seconds']:.0f}) | {h['trainable_parameters'] / 1e6:.2f}M | "
                      f"{h['tau']:.2f} | {h['draft_to_target_cost_c']:.2f} | {h['speedup_vs_plain']:.2f}x | {_side(h)} | {h['exact']} |")
-    base, econ = rows["eagle3-k7"], r.get("drafters_economics")
+    econ = r.get("drafters_economics")
     if econ:
         lines += _render_sweep(r, econ)
+    return lines + [""] + [f"- {g}." for g in _drafter_goals(r, rows, econ)] + [""]
+
+
+def _drafter_goals(r: dict, rows: dict, econ: dict | None) -> list[str]:
+    """The issue's goals (#31) read off section `drafters` and its sweep, one sentence each."""
+    base, drafted = rows["eagle3-k7"], len(rows.get("dflash-b16", {}).get("acceptance_per_depth", []))
     goals = []
     if "dflash-b16" in rows:
         ratio = speed(rows["dflash-b16"]) / speed(base)
@@ -567,4 +573,4 @@ def _render_drafters(r: dict, rows: dict) -> list[str]:
                      f"P-EAGLE {speed(second['peagle']) / speed(second['eagle3-k7']):.2f}x EAGLE-3's "
                      "speedup: with 120 s of training the parallel drafters' later slots stay weak (their tau trails "
                      "EAGLE-3's on both targets)")
-    return lines + [""] + [f"- {g}." for g in goals] + [""]
+    return goals

@@ -526,5 +526,8 @@ def test_a_draft_vocabulary_trains_drafts_exactly_and_exports_for_vllm_and_specu
     assert torch.equal(loaded.t2d, head.t2d) and torch.equal(loaded.lm_head.weight, head.lm_head.weight)
     again = speculative_generate(runner, DFlashDrafter(loaded, 96, TreeConfig(3, 1, 4)), prompt, 24, SamplingConfig(), set())
     assert again.accept_lengths == spec.accept_lengths
+    save_file({k: v.contiguous() for k, v in tensors.items() if k not in ("t2d", "d2t")}, str(exported / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"draft_vocab_size 40 .* lack \['d2t'\]"):
+        load_head(exported, target.config)
     with pytest.raises(ValueError, match="head.draft_vocab_size=65"):
         DFlashHead.from_target(target.config, HeadConfig(kind="dflash", draft_vocab_size=65), IDS)

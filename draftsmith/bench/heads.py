@@ -546,17 +546,13 @@ def _drafter_goals(r: dict, rows: dict, econ: dict | None) -> list[str]:
                      f"{ratio:.2f}x EAGLE-3's speedup (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})")
         if econ and "dflash-b16+lk" in econ:
             goals[-1] += _crossover(econ, "dflash-b16+lk")
-    if "dflash-b8" in rows:
-        b8 = rows["dflash-b8"]
-        ratio = speed(b8) / speed(base)
-        goals.append(f"DFlash with blocks of 8 (7 draft tokens a round): tau {b8['tau']:.2f}, {ratio:.2f}x EAGLE-3's "
-                     f"speedup (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})" + _crossover(econ, "dflash-b8"))
-    if "dflash-b8+dv" in rows:
-        dv = rows["dflash-b8+dv"]
-        ratio = speed(dv) / speed(base)
-        goals.append(f"DFlash with blocks of 8 over EAGLE-3's 1024-token draft vocabulary (`head.draft_vocab_size`): tau "
-                     f"{dv['tau']:.2f} in {dv['train_steps']} steps, {ratio:.2f}x EAGLE-3's speedup (goal 1.3x: "
-                     f"{'met' if ratio >= 1.3 else 'not met'})" + _crossover(econ, "dflash-b8+dv"))
+    for name, label in (("dflash-b8", "DFlash with blocks of 8 (7 draft tokens a round)"),
+                        ("dflash-b8+dv", "DFlash with blocks of 8 over EAGLE-3's 1024-token draft vocabulary "
+                                         "(`head.draft_vocab_size`)")):
+        if name in rows:
+            ratio = speed(rows[name]) / speed(base)
+            goals.append(f"{label}: tau {rows[name]['tau']:.2f} in {rows[name]['train_steps']} steps, {ratio:.2f}x EAGLE-3's "
+                         f"speedup (goal 1.3x: {'met' if ratio >= 1.3 else 'not met'})" + _crossover(econ, name))
     if "peagle" in rows:
         ratio = speed(rows["peagle"]) / speed(base)
         goals.append(f"P-EAGLE's speedup is {ratio:.2f}x EAGLE-3's at tau {rows['peagle']['tau']:.2f} against "

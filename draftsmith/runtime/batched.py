@@ -212,6 +212,11 @@ def pad_paths(paths: list[torch.Tensor], device) -> torch.Tensor:
     return src
 
 
+def _chains_at_once(sampling: SamplingConfig) -> bool:
+    """Whether chains are verified for every row in one pass: greedy, or exact sampling (typical acceptance reads trees)."""
+    return sampling.greedy or sampling.acceptance != "typical"
+
+
 def _verdicts(padded, trees: list[Tree] | None, logits_BNV, sampling, gen, done: list[bool]):
     """(accepted node paths [B, A], counts [B] list, bonus tokens [B]) of a round over the `pad_trees` of `trees` (None:
     plain decoding's one-node trees, or chains padded by `pad_chains`); finished rows keep nothing. Greedy verifies every
@@ -219,11 +224,9 @@ def _verdicts(padded, trees: list[Tree] | None, logits_BNV, sampling, gen, done:
     are deterministic); trees are sampled row by row (`verify`, which reads a tree's proposals), and so is typical
     acceptance."""
     tokens, depth, mask, parent, sizes = padded
-    if sampling.greedy:
-        paths, counts, bonus = verify_greedy_rows(tokens, parent, depth, mask, sizes, logits_BNV)
-        return paths, [0 if d else c for c, d in zip(counts.tolist(), done)], bonus
-    if trees is None and sampling.acceptance != "typical":
-        paths, counts, bonus = verify_sampling_rows(tokens, sizes, logits_BNV, sampling, gen)
+    if sampling.greedy or (trees is None and _chains_at_once(sampling)):
+        paths, counts, bonus = verify_greedy_rows(tokens, parent, depth, mask, sizes, logits_BNV) if sampling.greedy \
+            else verify_sampling_rows(tokens, sizes, logits_BNV, sampling, gen)
         return paths, [0 if d else c for c, d in zip(counts.tolist(), done)], bonus
     trees = trees or [chain_tree(root, root.view(1)[:0]) for root in tokens[:, 0]]
     verdicts = [None if done[b] else verify(tree, logits_BNV[b, :len(tree)], sampling, gen) for b, tree in enumerate(trees)]
@@ -273,7 +276,7 @@ def batched_generate(target: BatchRunner, prompts: list[torch.Tensor], max_new_t
             trees, padded = None, root_nodes(roots)
         else:
             drafted = drafter.draft_trees(roots)
-            if isinstance(drafted, Chains) and (sampling.greedy or sampling.acceptance != "typical"):  # every row's chain at once
+            if isinstance(drafted, Chains) and _chains_at_once(sampling):  # every row's chain at once (no tree is read)
                 trees, padded = None, pad_chains(drafted.tokens_BN, done, num_nodes)
             else:
                 trees = [chain_tree(root, root.view(1)[:0]) if done[b] else drafted[b] for b, root in enumerate(roots)]

@@ -259,7 +259,7 @@ def check_before_loading(stage: str, recipe, args=None) -> dict:
     """What every stage that runs a sharded target checks at start, from the target's config alone: a
     layout over this rank's device memory is refused before any weight is read (with the smallest one
     that fits). A whole target per rank, or no GPU, is left to load as it is."""
-    from transformers import AutoConfig
+    from draftsmith.targets.loading import target_config
     from draftsmith.targets.parallel import layout_for
     if recipe is None:
         return {}
@@ -271,7 +271,7 @@ def check_before_loading(stage: str, recipe, args=None) -> dict:
     layout = layout_for(recipe, name)
     if not layout.sharded:
         return {}
-    return fits_or_refuse(recipe, AutoConfig.from_pretrained(recipe.target.model), layout, name, device_memory())
+    return fits_or_refuse(recipe, target_config(recipe.target.model), layout, name, device_memory())
 
 
 def fits_or_refuse(recipe, config, layout: Layout, stage: str, device_bytes: float | None) -> dict:

@@ -53,8 +53,10 @@ class ParallelConfig:
 
 @dataclass
 class TargetConfig:
-    """The frozen target model: a local directory or a hub id (`embedded` builds the demo one)."""
+    """The frozen target model: a local directory, a hub id, or a GGUF file (`embedded` builds the demo one)."""
     model: str = ""
+    gguf_file: str | None = None        # a GGUF file inside the directory or hub repository `model` (folded into
+                                        # `model` as <model>/<file> when the recipe loads); or name the .gguf in `model`
     embedded: EmbeddedTargetConfig | None = None
     dtype: str = "auto"
     chat_template: str | None = None
@@ -69,6 +71,7 @@ class DataSource:
     split: str = "train"                # a `datasets` source's split (UltraChat-200K: train_sft)
     name: str | None = None             # a `datasets` source's configuration name
     streaming: bool = False             # read a `datasets` source record by record, never whole on disk or in memory
+    max_records: int | None = None      # take at most this many records from this source (its first ones)
 
 
 @dataclass
@@ -210,8 +213,16 @@ class TrainConfig:
 
 
 @dataclass
+class PromptSet:
+    """One set of validation prompts, reported as its own domain."""
+    path: str = ""                  # a JSONL of conversations or {"prompt": ...} lines, or builtin:humaneval|math|chat
+    domain: str | None = None       # None: each record's "domain", else the builtin set's name, else the file's stem
+    split: str = "test"             # of a builtin set (math and chat have train and test; humaneval test only)
+
+
+@dataclass
 class ValidateConfig:
-    num_prompts: int = 16
+    num_prompts: int = 16           # in all, shared evenly by the prompt sets
     max_new_tokens: int = 128
     depth: int = 6
     top_k: int = 8
@@ -221,7 +232,8 @@ class ValidateConfig:
     sample_top_k: int = 0
     device: str = "auto"
     min_tau: float | None = None
-    prompts: str | None = None      # a JSONL of conversations or {"prompt": ...} lines, optional "domain"; None: held-out data
+    prompts: str | list[PromptSet] | None = None  # a JSONL (conversations or {"prompt": ...} lines, optional "domain"),
+                                    # or several sets, each its own domain; None: the held-out data
     tree_choices: list[list[int]] | None = None  # medusa: a static choice list; None: built from measured accuracies
     num_calibration_prompts: int = 8             # medusa: held-out prompts (after the measured ones) for the tree
     typical_acceptance: bool = False             # medusa: also measure Medusa's lossy typical acceptance (reported, never pass/fail)
@@ -310,7 +322,7 @@ CHOICES = {
     "target.dtype": {"auto", "fp32", "bf16", "fp16"},
     "data.overflow": {"truncate", "drop"},
     "data.bad_lines": {"skip", "fail"},
-    "data.sources.format": {"auto", "sharegpt", "openai", "text"},
+    "data.sources.format": {"auto", "sharegpt", "openai", "text", "prompt", "alpaca"},
     "capture.mode": {"offline", "online"},
     "capture.dtype": {"bf16", "fp16", "fp32", "fp8"},
     "capture.compression": {"none", "zstd"},
@@ -338,8 +350,8 @@ def _coerce(value, tp, path: str):
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, path)
-            except RecipeError as exc:
-                errors.append(str(exc))
+            except RecipeError as exc:  # the error of the alternative of the value's own shape says the most
+                errors.insert(0 if isinstance(value, typing.get_origin(arg) or arg) else len(errors), str(exc))
         raise RecipeError(errors[0])
     if origin is list:
         if not isinstance(value, list):
@@ -427,7 +439,14 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
     if not recipe.name:
         raise RecipeError(f"{source}: key 'name' is required (it names the run directory)")
     if not recipe.target.model and recipe.target.embedded is None:
-        raise RecipeError(f"{source}: set target.model (a model directory or hub id) or target.embedded")
+        raise RecipeError(f"{source}: set target.model (a model directory, hub id or .gguf file) or target.embedded")
+    if recipe.target.gguf_file is not None:
+        if not recipe.target.gguf_file.lower().endswith(".gguf") or recipe.target.model.lower().endswith(".gguf"):
+            raise RecipeError(f"{source}: target.gguf_file={recipe.target.gguf_file!r} with target.model="
+                              f"{recipe.target.model!r}: expected a .gguf file name inside the directory or hub "
+                              "repository that target.model names")
+        recipe.target.model = f"{recipe.target.model.rstrip('/')}/{recipe.target.gguf_file}"
+        recipe.target.gguf_file = None
     regen = recipe.data.regen
     if regen.server is not None and not regen.server.startswith(("http://", "https://")):
         raise RecipeError(f"{source}: data.regen.server={regen.server!r}: expected an http(s) base URL such as "

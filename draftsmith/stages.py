@@ -16,10 +16,11 @@ def stage_target(recipe: Recipe, args=None):
     from draftsmith.targets import embedded
     from draftsmith.targets.loading import check_model_path
     if recipe.target.embedded is None:
-        from transformers import AutoConfig
+        from draftsmith.targets.loading import local_model, target_config
         check_model_path(recipe.target.model)
-        config = AutoConfig.from_pretrained(recipe.target.model)
-        return {"target": recipe.target.model, "architectures": config.architectures}
+        source = local_model(recipe.target.model, recipe.target.dtype)  # a GGUF file is dequantized here, once
+        return {"target": recipe.target.model, "architectures": target_config(source).architectures} | (
+            {"dequantized": source} if source != recipe.target.model else {})
     result = embedded.build_embedded_target(recipe, recipe.target.model, recipe.data.heldout_fraction)
     if recipe.economics.draft_model_embedded is not None and args is not None:  # `draftsmith target`, not `run`
         result["draft_model"] = embedded.ensure_draft_model(recipe)
@@ -96,12 +97,12 @@ def stage_economics(recipe: Recipe, args=None):
 
 
 def stage_plan(recipe: Recipe, args=None):
-    from transformers import AutoConfig
     from draftsmith.data.prepare import data_dir
     from draftsmith.plan import make_plan, render_plan
+    from draftsmith.targets.loading import target_config
     source = getattr(args, "config", None) or recipe.target.model
     try:
-        config = AutoConfig.from_pretrained(str(Path(source).parent) if str(source).endswith(".json") else source)
+        config = target_config(str(Path(source).parent) if str(source).endswith(".json") else source)
     except OSError as exc:
         raise ValueError(f"plan: cannot read the target's config from {source!r} ({exc}); pass --config PATH") from None
     manifest = data_dir(recipe) / artifacts.MANIFEST
@@ -182,6 +183,10 @@ def summary(recipe: Recipe, timings: dict, seconds: float, exported: dict | None
         lines.append(f"  tau {v['tau']:.2f} tokens/forward | speedup {v['speedup_vs_plain']:.2f}x vs plain, "
                      f"{v['speedup_vs_hf_generate']:.2f}x vs HF generate | greedy exact: {v['exact_match']} "
                      f"| passed: {v['passed']}")
+        lines += [f"  {domain:<11} tau {s['tau']:.2f}, acceptance by depth {' '.join(f'{a:.2f}' for a in s['acceptance_per_depth'])}"
+                  f", {s.get('speedup_vs_plain', 0):.2f}x vs plain, {s.get('speedup_vs_hf_generate', 0):.2f}x vs HF generate "
+                  f"({s['num_prompts']} prompts)" for domain, s in v.get("per_domain", {}).items() if domain != "heldout"]
+        lines += [f"  WARNING     {warning}" for warning in v.get("warnings", [])]
     if exported:
         lines.append(f"  exported    {', '.join(k for k in exported if k != 'skipped') or 'nothing'}")
         lines += [f"  skipped     {engine}: {why}" for engine, why in exported.get("skipped", {}).items()]

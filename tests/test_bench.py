@@ -147,7 +147,7 @@ def _writes(path):
 def test_a_job_in_a_fresh_process_runs_and_its_failure_is_raised(tmp_path):
     """The drafters' sweep runs in a process of its own (`in_fresh_process`): its work lands, and a failure there
     stops the bench instead of passing unnoticed."""
-    from draftsmith.bench.heads import in_fresh_process
+    from draftsmith.bench.common import in_fresh_process
     in_fresh_process(_writes, str(tmp_path / "out"))
     assert (tmp_path / "out").read_text() == "done"
     with pytest.raises(RuntimeError, match="_fails failed in its own process"):

@@ -72,7 +72,23 @@ def test_normalize_forms():
     assert share["messages"] == openai["messages"]
     assert conv.normalize({"text": "raw"}, "f:3") == {"id": "f:3", "text": "raw"}
     with pytest.raises(conv.DataError, match="f:4"):
-        conv.normalize({"prompt": "x"}, "f:4")
+        conv.normalize({"question": "x"}, "f:4")
+
+
+def test_prompt_shapes_normalize_to_user_turns():
+    """The usual prompt-set shapes: {"prompt"}, Alpaca with and without an answer, user-only messages, ShareGPT."""
+    user = [{"role": "user", "content": "Sort a list."}]
+    assert conv.normalize({"prompt": "Sort a list."}, "p:1")["messages"] == user
+    assert conv.normalize({"instruction": "Sort a list.", "input": ""}, "p:2")["messages"] == user
+    alpaca = conv.normalize({"instruction": "Sort", "input": "[3, 1]", "output": "[1, 3]"}, "p:3")["messages"]
+    assert alpaca == [{"role": "user", "content": "Sort\n\n[3, 1]"}, {"role": "assistant", "content": "[1, 3]"}]
+    assert conv.normalize({"messages": user}, "p:4")["messages"] == user
+    assert conv.normalize({"conversations": [{"from": "human", "value": "Sort a list."}]}, "p:5")["messages"] == user
+    assert conv.normalize({"prompt": "x", "domain": "code"}, "p:6")["domain"] == "code"
+    assert conv.to_answer(user) == user + [{"role": "assistant", "content": ""}]
+    assert conv.to_answer(alpaca) == alpaca
+    with pytest.raises(conv.DataError, match="p:7.*non-empty"):
+        conv.normalize({"prompt": "  "}, "p:7")
 
 
 def _recipe(tmp_path, micro_target, *overrides):
@@ -85,15 +101,25 @@ def test_data_stage_formats_and_counts(tmp_path, micro_target):
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
         {"id": "b", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y = 1"}]},
         '{"id": "broken", "messages": [',
-        {"id": "c", "messages": [{"role": "user", "content": "only a question"}]},
         {"id": "d", "text": "def f():\n    return 1\n"},
     ])
     recipe = _recipe(tmp_path, micro_target, f"data.sources=[{{path: {path}}}]", "data.heldout_fraction=0.0")
     manifest = run_data(recipe)
     assert manifest["num_train_conversations"] == 3
-    assert manifest["num_skipped"] == {"malformed_json": 1, "no_assistant_turn": 1}
+    assert manifest["num_skipped"] == {"malformed_json": 1}
     assert manifest["skip_examples"]["malformed_json"] == f"{path}:3"
-    assert manifest["num_records_read"] == 5
+    assert manifest["num_records_read"] == 4
+
+
+def test_prompt_without_answer_is_refused_without_regeneration(tmp_path, micro_target):
+    """One line naming the file and line, the record and the key to set; nothing is written."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y = 1"}]},
+        {"id": "c", "prompt": "only a question"}])
+    recipe = _recipe(tmp_path, micro_target, f"data.sources=[{{path: {path}}}]", "data.heldout_fraction=0.0")
+    with pytest.raises(conv.DataError, match=rf"^{path}:2: record 'c' is a prompt without an answer.*data.regen.enabled: true"):
+        run_data(recipe)
+    assert not (recipe.run_dir / "data" / "manifest.json").exists()
 
 
 def test_malformed_line_fails_with_file_and_line(tmp_path, micro_target):

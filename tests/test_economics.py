@@ -418,3 +418,59 @@ def test_economics_bad_input_is_named(tmp_path):
     check_shared_tokenizer(Vocab("abc"), Vocab("abc"), "economics.draft_model=x")
     with pytest.raises(ValueError, match="economics.draft_model=x: this draft model's tokenizer differs"):
         check_shared_tokenizer(Vocab("abc"), Vocab("acb"), "economics.draft_model=x")
+
+
+def test_validate_several_prompt_sets_report_each_domain(tmp_path, micro_pipeline):
+    """`validate.prompts` as several sets (a file and a builtin one), each its own domain, shared evenly and
+    taken in turn; per domain: tau, acceptance by depth and the speedups over plain decoding and `generate`."""
+    import json
+
+    from conftest import micro_recipe
+
+    from draftsmith.runtime.loading import validation_prompts
+    from draftsmith.runtime.validate import run_validate
+    from draftsmith.targets.loading import load_tokenizer
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Write function {i}."}) + "\n" for i in range(5)))
+    recipe = micro_pipeline
+    sets = f'validate.prompts=[{{path: {path}}}, {{path: "builtin:math"}}, {{path: "builtin:chat", domain: talk}}]'
+    r = micro_recipe(recipe.out_dir, recipe.target.model, sets, "validate.num_prompts=6", "validate.max_new_tokens=8")
+    chosen = validation_prompts(r, load_tokenizer(r), 4)
+    assert [d for _, d in chosen] == ["questions", "math", "talk", "questions"]
+    assert run_validate(r, out=str(tmp_path / "v"))["exact_match"]
+    result = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert {d: s["num_prompts"] for d, s in result["per_domain"].items()} == {"questions": 2, "math": 2, "talk": 2}
+    for stats in result["per_domain"].values():
+        assert stats["speedup_vs_plain"] > 0 and stats["speedup_vs_hf_generate"] > 0
+        assert len(stats["acceptance_per_depth"]) == r.validate.depth
+    report = (tmp_path / "v" / "report.md").read_text()
+    assert "| math | 2 |" in report and "| talk | 2 |" in report
+    assert isinstance(result["warnings"], list)
+    if result["speedup_vs_plain"] < 1:
+        assert "SLOWER than plain decoding" in result["warnings"][0] and "WARNING" in report
+
+
+def test_depth_speedups_follow_the_verify_cost():
+    """A chain's predicted speedup: tokens per round over drafting plus verifying that many tokens. Where a
+    verify forward costs one decode step whatever its length (a GPU), deeper pays while acceptance holds; where
+    it grows with the tokens verified (a CPU), a shorter chain wins, and with poor acceptance none pays."""
+    alpha = [0.8, 0.7, 0.6, 0.5]
+    flat = E.depth_speedups(alpha, 0.05, [1.0] * 5)
+    assert flat[0] == 1.0 and flat[1] == pytest.approx(1.8 / 1.05)
+    assert flat[4] == pytest.approx((1 + 0.8 + 0.56 + 0.336 + 0.168) / (4 * 0.05 + 1))
+    assert max(flat, key=flat.get) == 4
+    steep = E.depth_speedups(alpha, 0.05, [1.0, 1.3, 1.6, 1.9, 2.2])
+    assert max(steep, key=steep.get) == 2 and steep[2] == pytest.approx(2.36 / 1.7)
+    poor = E.depth_speedups([0.2, 0.1], 0.05, [1.0, 1.3, 1.6])
+    assert max(poor, key=poor.get) == 0
+
+
+def test_verify_costs_are_measured_per_tokens_verified(micro_target):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from draftsmith.runtime.target import TargetRunner
+    from draftsmith.runtime.timing import verify_costs
+    model = AutoModelForCausalLM.from_pretrained(micro_target).eval()
+    runner = TargetRunner(model, 64, [1, 2, 3])
+    costs = verify_costs(runner, torch.arange(1, 9), 4)
+    assert len(costs) == 4 and costs[0] == 1.0 and all(v > 0 for v in costs)

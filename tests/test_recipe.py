@@ -35,7 +35,7 @@ def test_launch_configs_are_accelerate_configs(path):
 def test_real_target_layer_ids_follow_reference():
     """EAGLE-3 defaults {2, N//2, N-3} in the input-to-layer convention."""
     expected = {"llama-3.1-8b-instruct": (32, [2, 16, 29]), "llama-3.3-70b-instruct": (80, [2, 40, 77]),
-                "qwen3-8b": (36, [2, 18, 33])}
+                "qwen3-8b": (36, [2, 18, 33]), "smollm2-135m-instruct": (30, [2, 15, 27])}
     for folder, (num_layers, ids) in expected.items():
         recipe = recipe_mod.load(ROOT / "recipes" / folder / "eagle3.yaml")
         assert recipe.capture.layer_ids == ids == [2, num_layers // 2, num_layers - 3]
@@ -87,3 +87,25 @@ def test_section_hash_changes_only_with_its_sections():
     b = recipe_mod.loads("name: x\ntarget: {model: m}", ["train.lr=1.0"])
     assert a.section_hash("data", "capture") == b.section_hash("data", "capture")
     assert a.section_hash("train") != b.section_hash("train")
+
+
+def test_gguf_targets_are_named_by_one_string():
+    """`target.gguf_file` folds into `target.model` (one id for manifests and fingerprints); misuse is named."""
+    base = "name: x\ntarget:\n  model: org/repo\n"
+    folded = recipe_mod.loads(base + "  gguf_file: model.Q4_K_M.gguf\n")
+    assert folded.target.model == "org/repo/model.Q4_K_M.gguf" and folded.target.gguf_file is None
+    with pytest.raises(RecipeError, match="target.gguf_file='weights.bin'.*expected a .gguf file name"):
+        recipe_mod.loads(base + "  gguf_file: weights.bin\n")
+    with pytest.raises(RecipeError, match="target.gguf_file"):
+        recipe_mod.loads("name: x\ntarget:\n  model: a/b/c.gguf\n  gguf_file: c.gguf\n")
+
+
+def test_validate_prompts_take_one_file_or_several_sets():
+    one = recipe_mod.loads("name: x\ntarget: {model: m}\nvalidate: {prompts: p.jsonl}\n")
+    assert one.validate.prompts == "p.jsonl"
+    several = recipe_mod.loads('name: x\ntarget: {model: m}\nvalidate:\n  prompts:\n    - {path: "builtin:humaneval"}\n'
+                               "    - {path: q.jsonl, domain: chat}\n")
+    assert [(s.path, s.domain, s.split) for s in several.validate.prompts] == [("builtin:humaneval", None, "test"),
+                                                                                ("q.jsonl", "chat", "test")]
+    with pytest.raises(RecipeError, match=r"validate.prompts\[0\]"):
+        recipe_mod.loads("name: x\ntarget: {model: m}\nvalidate:\n  prompts:\n    - {file: q.jsonl}\n")

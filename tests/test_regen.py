@@ -66,3 +66,32 @@ def test_a_killed_replicas_turns_are_reused_and_folded_in(tmp_path, micro_target
     assert again == first
     assert not list(tmp_path.glob("*.replica*.jsonl"))
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["c0", "c1", "c2", "c3"]
+
+
+def test_prompts_without_answers_are_answered_in_process(tmp_path, micro_target, tokenizer):
+    """A conversation whose last turn is the user's gets the target's answer as one more turn (prompt sets,
+    multi-turn conversations left waiting); conversations with answers keep their shape."""
+    recipe = micro_recipe(tmp_path, micro_target, "data.regen.max_new_tokens=6", "data.regen.batch_size=2")
+    items = [{"id": "p", "messages": [{"role": "user", "content": "Write a sort function."}]},
+             {"id": "w", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "and then?"}]}] + _convs(1)
+    result, counts = regenerate(recipe, tokenizer, items, tmp_path / "regen.jsonl")
+    assert counts["regenerated"] == 3 and sum(counts["finish_reasons"].values()) == 1 + 2 + 2
+    assert [m["role"] for m in result[0]["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in result[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in result[2]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert result[0]["messages"][0] == items[0]["messages"][0] and result[1]["messages"][2]["content"] == "and then?"
+    assert result[1]["messages"][1]["content"] != "b"
+
+
+def test_data_stage_answers_a_prompt_file_when_regenerating(tmp_path, micro_target):
+    """{"prompt"} and Alpaca lines become training conversations with the target's answers under the loss."""
+    from draftsmith.data.prepare import run_data
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "Write a function that adds two numbers."}) + "\n"
+                    + json.dumps({"instruction": "Reverse a list.", "input": "[1, 2, 3]"}) + "\n")
+    recipe = micro_recipe(tmp_path, micro_target, "data.builtin=null", f"data.sources=[{{path: {path}}}]",
+                          "data.heldout_fraction=0.0", "data.regen.enabled=true", "data.regen.max_new_tokens=8")
+    manifest = run_data(recipe)
+    assert manifest["num_train_conversations"] == 2 and manifest["num_loss_tokens"] > 2
+    assert manifest["regeneration"]["regenerated"] == 2

@@ -249,3 +249,15 @@ def test_server_reasoning_is_kept_and_tool_call_turns_are_not_regenerated(random
     sent = stub.requests[0]["messages"]
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool"]
     assert sent[2]["tool_calls"][0]["function"]["name"] == "weather" and sent[3]["tool_call_id"] == "c1"
+
+
+def test_prompts_are_answered_through_the_server_as_in_process(server, random_target, tmp_path):
+    """Prompt-only conversations: one answer each, the same through `transformers serve` as in process."""
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"def g{i}(y):"}]} for i in range(3)]
+    local, _ = regenerate(_recipe(tmp_path / "a", random_target), load_tokenizer(_recipe(tmp_path / "a", random_target)),
+                          prompts, tmp_path / "a.jsonl")
+    recipe = _recipe(tmp_path / "b", random_target, f"data.regen.server={server.url}")
+    remote, counts = regenerate(recipe, load_tokenizer(recipe), prompts, tmp_path / "b.jsonl")
+    assert counts["regenerated"] == 3 and counts["finish_reasons"] == {"length": 3}
+    assert [[m["role"] for m in c["messages"]] for c in remote] == [["user", "assistant"]] * 3
+    assert [c["messages"][1]["content"] for c in remote] == [c["messages"][1]["content"] for c in local]

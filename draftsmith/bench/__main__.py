@@ -29,7 +29,8 @@ from draftsmith.bench.common import machine
 from draftsmith.bench.drafting import bench_drafting, render_drafting
 from draftsmith.bench.economics import bench_economics, render_economics
 from draftsmith.bench.heads import (BUDGET_RUNS, DRAFTER_RUNS, MTP_RUNS, bench_drafters_budget, bench_drafters_economics, bench_drafters_qwen3,
-                                   bench_heads, bench_medusa, crossover_shortfall, dflash_ratios, render_drafters, render_heads)
+                                   bench_heads, crossover_shortfall, dflash_ratios, render_drafters, render_heads)
+from draftsmith.bench.medusa import bench_medusa
 from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel

@@ -1,7 +1,9 @@
 """Conversations -> tokens + assistant-only loss mask, rendered with the target's own chat template.
 
-Inputs: JSONL/JSON in ShareGPT (`conversations`/`from`/`value`), OpenAI (`messages`/`role`/`content`)
-or preformatted (`text`) form, or anything `datasets.load_dataset`/`load_from_disk` reads.
+Inputs: JSONL/JSON in ShareGPT (`conversations`/`from`/`value`), OpenAI (`messages`/`role`/`content`),
+preformatted (`text`), prompt (`prompt`) or Alpaca (`instruction`, `input`, optional `output`) form, or
+anything `datasets.load_dataset`/`load_from_disk` reads. A conversation whose last turn is the user's
+(a prompt set: no answer yet) is answered by the target when regeneration is on.
 
 Reasoning and agent traces reach the template whole: a turn keeps its reasoning (`reasoning_content`,
 `reasoning` or `thinking`, kept as `reasoning_content`), `tool_calls`, `tool_call_id` and `name`. At
@@ -36,7 +38,7 @@ class SkipCounter:
         self.examples.setdefault(reason, where)
 
 
-FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "text": "text"}
+FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "text": "text", "prompt": "prompt", "alpaca": "instruction"}
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")   # what datasets and servers call it
 KEPT_KEYS = ("tool_calls", "tool_call_id", "name")                # what templates read besides role and content
 
@@ -48,8 +50,15 @@ def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
     if fmt != "auto" and FORMAT_KEYS[fmt] not in record:
         raise DataError(f"{where}: format {fmt!r} expects a {FORMAT_KEYS[fmt]!r} key (found {sorted(record)})")
     rid = str(record.get("id", where))
+    domain = {"domain": record["domain"]} if isinstance(record.get("domain"), str) else {}
+    return _turns_of(record, where, rid) | domain
+
+
+def _turns_of(record: dict, where: str, rid: str) -> dict:
     if "text" in record and isinstance(record["text"], str) and "messages" not in record:
         return {"id": rid, "text": record["text"]}
+    if "messages" not in record and "conversations" not in record and ("prompt" in record or "instruction" in record):
+        return {"id": rid, "messages": _prompt_turns(record, where)}
     if "messages" in record:
         turns, role_key, content_key = record["messages"], "role", "content"
     elif "conversations" in record:
@@ -57,8 +66,32 @@ def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
         first = turns[0] if turns else {}
         role_key, content_key = ("from", "value") if "from" in first else ("role", "content")
     else:
-        raise DataError(f"{where}: no 'messages', 'conversations' or 'text' key (found {sorted(record)})")
+        raise DataError(f"{where}: no 'messages', 'conversations', 'prompt', 'instruction' or 'text' key (found {sorted(record)})")
     return {"id": rid, "messages": [_turn(turn, i, where, role_key, content_key) for i, turn in enumerate(turns)]}
+
+
+def _prompt_turns(record: dict, where: str) -> list[dict]:
+    """A prompt record: {"prompt"} (one user turn, an optional "system"), or Alpaca's {"instruction",
+    "input", "output"} (instruction and input as one user turn; the output, if any, as the answer)."""
+    key = "prompt" if "prompt" in record else "instruction"
+    if not isinstance(record[key], str) or not record[key].strip():
+        raise DataError(f"{where}: {key!r} must be a non-empty string")
+    extra = record.get("input") if key == "instruction" else None
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(f"{where}: 'input' must be a string")
+    system = record.get("system")
+    turns = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+    turns.append({"role": "user", "content": record[key] + (f"\n\n{extra}" if extra else "")})
+    answer = record.get("output") if key == "instruction" else None
+    if isinstance(answer, str) and answer.strip():
+        turns.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def to_answer(messages: list[dict]) -> list[dict]:
+    """The turns regeneration walks: a conversation that ends with the user's turn (a prompt) gets an empty
+    assistant turn after it, for the target to answer like any other."""
+    return messages + [{"role": "assistant", "content": ""}] if messages and messages[-1]["role"] == "user" else messages
 
 
 def _turn(turn, i: int, where: str, role_key: str, content_key: str) -> dict:
@@ -82,8 +115,12 @@ def _turn(turn, i: int, where: str, role_key: str, content_key: str) -> dict:
 def read_records(path: str, bad_lines: str, skips: SkipCounter, source=None):
     """Yield (where, record) from a .jsonl/.json file or a `datasets` source (its split, configuration
     name and streaming from `source`, a recipe DataSource)."""
+    from draftsmith.data import prompt_sets
     file = Path(path)
-    if file.suffix == ".jsonl":
+    if prompt_sets.is_builtin(path):
+        for index, record in enumerate(prompt_sets.load(path, getattr(source, "split", "train"))):
+            yield f"{path}[{index}]", record
+    elif file.suffix == ".jsonl":
         if not file.exists():
             raise DataError(f"data file {path!r} does not exist")
         with open(file, "rb") as handle:

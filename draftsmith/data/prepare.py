@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from pathlib import Path
@@ -26,8 +27,9 @@ def _split_heldout(rid: str, fraction: float) -> bool:
     return int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[dict], int]:
-    """Read every source; return (train conversations, held-out conversations, records read)."""
+def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False) -> tuple[list[dict], list[dict], int]:
+    """Read every source; return (train conversations, held-out conversations, records read). A prompt
+    without an answer (no assistant turn) is refused unless the target will answer it (`answering`)."""
     cfg = recipe.data
     train, heldout, num_read = [], [], 0
     if cfg.builtin == "stdlib":
@@ -38,7 +40,8 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
     elif cfg.builtin is not None:
         raise ValueError(f"data.builtin={cfg.builtin!r}: the only builtin set is 'stdlib'")
     for index, source in enumerate(cfg.sources):
-        for where, record in conv.read_records(source.path, cfg.bad_lines, skips, source):
+        records = conv.read_records(source.path, cfg.bad_lines, skips, source)
+        for where, record in itertools.islice(records, source.max_records):
             num_read += 1
             try:
                 item = conv.normalize(record, where, source.format)
@@ -47,6 +50,9 @@ def collect(recipe: Recipe, skips: conv.SkipCounter) -> tuple[list[dict], list[d
                     raise
                 skips.skip("bad_record", where)
                 continue
+            if not answering and not any(m["role"] == "assistant" for m in item.get("messages", [{"role": "assistant"}])):
+                raise conv.DataError(f"{where}: record {item['id']!r} is a prompt without an answer (no assistant turn); "
+                                     "set data.regen.enabled: true (or pass --regen) to have the target answer it")
             (heldout if _split_heldout(item["id"], cfg.heldout_fraction) else train).append(item)
     num_read += skips.reasons["malformed_json"] + skips.reasons["invalid_utf8"]  # lines that never became a record
     if cfg.max_conversations is not None and len(train) > cfg.max_conversations:
@@ -91,12 +97,13 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
     tokenizer = load_tokenizer(recipe)
     conv.check_tokenizer(tokenizer, f"target.model={recipe.target.model!r}")
     skips = conv.SkipCounter()
-    train, heldout, num_read = collect(recipe, skips)
+    answering = regen if regen is not None else recipe.data.regen.enabled
+    train, heldout, num_read = collect(recipe, skips, answering)
     _refuse_empty(recipe, "conversations", len(train) + len(heldout), num_read, skips)
     out = data_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
     regen_counts = None
-    if regen if regen is not None else recipe.data.regen.enabled:
+    if answering:
         from draftsmith.data.regen import regenerate
         # keyed by the target's fingerprint: answers of another (or retrained) target are never reused
         train, regen_counts = regenerate(recipe, tokenizer, train, out / f"regen-{target_fingerprint(recipe.target.model)}.jsonl")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.data.conversations import cut_at_stop, with_system
+from draftsmith.data.conversations import cut_at_stop, to_answer, with_system
 from draftsmith.recipe import Recipe
 
 MAX_LISTED_FAILURES = 50  # in the manifest; the whole list goes to <regen file>.failed.json
@@ -56,8 +56,10 @@ def _answer(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[st
 
 
 def _regenerate_batch(model, tokenizer, batch: list[dict], cfg, system_prompt) -> tuple[list[dict], Counter]:
-    """Walk the conversations turn by turn; each assistant turn sees the regenerated history."""
+    """Walk the conversations turn by turn; each assistant turn sees the regenerated history (a prompt, whose
+    last turn is the user's, gets its answer as one more assistant turn)."""
     new, reasons = [{"id": c["id"], "messages": []} for c in batch], Counter()
+    batch = [{"id": c["id"], "messages": to_answer(c["messages"])} for c in batch]
     for turn in range(max(len(c["messages"]) for c in batch)):
         asking = [i for i, c in enumerate(batch) if turn < len(c["messages"]) and c["messages"][turn]["role"] == "assistant"
                   and not c["messages"][turn].get("tool_calls")]  # tool results that follow answer the calls as given

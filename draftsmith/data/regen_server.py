@@ -13,7 +13,7 @@ from pathlib import PurePath
 
 from tqdm import tqdm
 
-from draftsmith.data.conversations import cut_at_stop, with_system
+from draftsmith.data.conversations import cut_at_stop, to_answer, with_system
 from draftsmith.recipe import Recipe
 
 PROBE_RETRIES = 2  # the first contact fails fast: a wrong URL should not wait out the job's retries
@@ -84,7 +84,7 @@ def regenerate_conversation(client, model: str, conv: dict, cfg, system_prompt: 
     """(the conversation with every assistant turn answered by the server, finish reasons, completion tokens)."""
     new, reasons, tokens = [], {}, 0
     extra = {"extra_body": {"chat_template_kwargs": template_kwargs}} if template_kwargs else {}
-    for index, message in enumerate(conv["messages"]):
+    for index, message in enumerate(to_answer(conv["messages"])):
         if message["role"] != "assistant" or message.get("tool_calls"):  # tool results answer the calls as given
             new.append(message)
             continue

@@ -87,6 +87,11 @@ def card(title: str, engine: str, meta: dict, validation: dict | None, serve: st
              f"- target: `{meta.get('target_id')}`",
              f"- data: {data.get('builtin') or [s.get('path') for s in data.get('sources', [])]}",
              f"- training steps: {meta.get('step')}, tokens: {meta.get('tokens')}"] + [f"- {fact}" for fact in facts]
+    if meta.get("gguf"):
+        g = meta["gguf"]
+        lines.append(f"- the target is a GGUF file converted from **{g['source_model'] or 'a model its metadata does not name'}** "
+                     f"(its metadata); the head was trained on its dequantized weights, so serve that file: "
+                     f"`{g['serve_target']}` plus the speculative settings below")
     draft = meta.get("draft_config") or {}
     trained = (draft.get("draftsmith") or {}).get("trained_max_tokens")
     if trained:

@@ -56,16 +56,17 @@ def _perplexity(model, conversations: list[tuple[torch.Tensor, torch.Tensor]]) -
 
 
 def _prompt_file_conversations(path: str) -> list[dict]:
-    """`validate.prompts` lines that are whole conversations (with answers); `{"prompt"}` lines have none."""
+    """`validate.prompts` lines that are whole conversations (with answers); prompts have none."""
     from draftsmith.data.conversations import DataError, normalize
     out = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         record = json.loads(line) if line.strip() else None
-        if isinstance(record, dict) and "prompt" not in record:
-            try:
-                out.append(normalize(record, f"{path}:{number}"))
-            except DataError:
-                continue
+        try:
+            conv = normalize(record, f"{path}:{number}") if isinstance(record, dict) else {}
+        except DataError:
+            continue
+        if any(m["role"] == "assistant" for m in conv.get("messages", [])):
+            out.append(conv)
     return out
 
 
@@ -74,7 +75,10 @@ def heldout_conversations(recipe: Recipe, tokenizer, device, limit: int = MAX_PE
     (those of its lines that carry answers), else the held-out split."""
     from draftsmith.data.conversations import encode_conversation
     from draftsmith.data.prepare import load_heldout
-    source = _prompt_file_conversations(recipe.validate.prompts) if recipe.validate.prompts else load_heldout(recipe)
+    from draftsmith.data.prompt_sets import is_builtin
+    from draftsmith.runtime.loading import prompt_sets
+    files = [s.path for s in prompt_sets(recipe) if not is_builtin(s.path)]
+    source = [c for path in files for c in _prompt_file_conversations(path)] if recipe.validate.prompts else load_heldout(recipe)
     out = []
     for conv in [c for c in source if "messages" in c][:limit]:
         ids, mask = encode_conversation(tokenizer, conv, recipe.data.system_prompt)

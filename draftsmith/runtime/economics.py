@@ -78,3 +78,19 @@ def low_batch_screen(tau: float, gamma: int, c: float, measured_factor: float, a
     return {"gamma": gamma, "tau": tau, "c": c, "alpha_iid": alpha, "alpha_per_depth": acceptance_per_depth,
             "predicted_walltime_factor": walltime_factor(tau, gamma, c), "measured_walltime_factor": measured_factor,
             "break_even_c": break_even_cost(tau, gamma), "pays": c < break_even_cost(tau, gamma)}
+
+
+def depth_speedups(acceptance_per_depth: list[float], c: float, verify_cost: list[float]) -> dict[int, float]:
+    """Predicted speedup over plain decoding of a chain of each depth d <= len(acceptance_per_depth):
+
+        E[d]   = 1 + sum_{k<=d} prod_{i<=k} alpha_i     tokens per round (conditional acceptance per depth)
+        cost   = d * c + v(d + 1)                       a round, in plain decode steps (v: verifying n tokens)
+
+    `verify_cost[n - 1]` is v(n), measured on the device: on a GPU it stays near 1 for a few tokens, on a CPU
+    it grows with n, which is what makes a long chain lose there. Depth 0 is plain decoding (1.0)."""
+    out, expected, reach = {0: 1.0}, 1.0, 1.0
+    for d, alpha in enumerate(acceptance_per_depth[:len(verify_cost) - 1], 1):
+        reach *= alpha
+        expected += reach
+        out[d] = expected / (d * c + verify_cost[d])
+    return out

@@ -57,11 +57,23 @@ def check_validated(head: Path, target: str) -> dict:
 
 def served_target(formats, meta: dict, target: str, out_path: Path) -> str:
     """What an engine must load as the base model next to this head: the original target, or for a head
-    trained jointly with it (Medusa-2, joint MTP) the fine-tuned target this export writes beside it."""
+    trained jointly with it (Medusa-2, joint MTP) the fine-tuned target this export writes beside it. A GGUF
+    target is served as the file itself (vLLM reads GGUF), the weights the head was trained and validated on."""
+    from draftsmith.targets import gguf
     joint_format = getattr(formats, "FINE_TUNED_TARGET_FORMAT", None)
     if joint_format and meta["draft_config"]["draftsmith"].get("joint"):
         return str(out_path.parent / joint_format)
-    return target
+    return str(gguf.local_file(target).resolve()) if gguf.is_gguf(target) else target
+
+
+def _gguf_facts(target: str) -> dict:
+    """For a GGUF target, what the model card says of it: the model the file was converted from (its
+    metadata) and how an engine that serves GGUF files is pointed at it."""
+    from draftsmith.targets import gguf
+    if not gguf.is_gguf(target):
+        return {}
+    return {"gguf": {"file": str(gguf.local_file(target).resolve()), "source_model": gguf.source_model(gguf.metadata(target)),
+                     "serve_target": gguf.serve_hint(target)}}
 
 
 def _adapter_extras(adapter, **available) -> dict:
@@ -87,7 +99,7 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
     validation = None if allow_unvalidated else check_validated(head_path, target)
     economics = find_economics(head_path)
     depth = economics["best_k"] if economics else (validation or {}).get("tree", {}).get("depth")
-    meta = meta | {"served_target": served_target(formats, meta, target, out_path)}
+    meta = meta | {"served_target": served_target(formats, meta, target, out_path)} | _gguf_facts(target)
     if economics:
         meta = meta | {"economics": economics}
     if validation:  # a fine-tuned target is written in the dtype its exactness was proven in

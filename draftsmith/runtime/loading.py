@@ -3,6 +3,7 @@ trained head on the validation device, the prompts (held-out conversations or `v
 EOS set, and the checks a loaded head must pass."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -32,53 +33,69 @@ def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
     return tokenizer(render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
-def prompts_from_file(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
-    """`validate.prompts`: JSONL lines in the data stage's formats ({"messages"}, {"conversations"}) or
-    {"prompt": "..."} (one user turn), each with an optional "domain" (default "default")."""
+def prompt_sets(recipe: Recipe) -> list:
+    """`validate.prompts` as a list of sets (a single path is one set); empty for the held-out data."""
+    from draftsmith.recipe import PromptSet
+    chosen = recipe.validate.prompts
+    return [] if not chosen else [PromptSet(path=chosen, split="test")] if isinstance(chosen, str) else list(chosen)
+
+
+def prompts_of_set(recipe: Recipe, tokenizer, prompt_set, limit: int) -> list[tuple[torch.Tensor, str]]:
+    """Up to `limit` prompts of one set: JSONL lines in the data stage's formats ({"messages"},
+    {"conversations"}, {"prompt"}, Alpaca), each with an optional "domain", or a builtin set."""
+    from draftsmith.data import prompt_sets as builtin
     from draftsmith.data.conversations import DataError, normalize
-    path = Path(recipe.validate.prompts)
-    if not path.is_file():
-        raise ValueError(f"validate.prompts={str(path)!r}: no such file (expected a JSONL of conversations or prompts)")
+    path = Path(prompt_set.path)
+    if builtin.is_builtin(prompt_set.path):
+        records = [(f"{prompt_set.path}[{i}]", r) for i, r in enumerate(builtin.load(prompt_set.path, prompt_set.split))]
+        fallback = prompt_set.path.removeprefix(builtin.PREFIX)
+    elif path.is_file():
+        records = _jsonl_records(path)
+        fallback = path.stem if isinstance(recipe.validate.prompts, list) else "default"
+    else:
+        raise ValueError(f"validate.prompts={prompt_set.path!r}: no such file (expected a JSONL of conversations or "
+                         f"prompts, or one of {', '.join(builtin.PREFIX + n for n in builtin.NAMES)})")
     out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
+    for where, record in records:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            conv = {"messages": [{"role": "user", "content": record["prompt"]}]}
-        else:
-            try:
-                conv = normalize(record, where)
-            except DataError as exc:
-                raise ValueError(f"{exc} (or give a 'prompt' string)") from None
-            if "messages" not in conv:
-                raise ValueError(f"{where}: a plain 'text' record has no user turn; give 'prompt' or 'messages'")
-        ids = _prompt_ids(recipe, tokenizer, conv)
+            conv = normalize(record, where)
+        except DataError as exc:
+            raise ValueError(f"{exc} (or give a 'prompt' string)") from None
+        ids = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
         if ids is None:
-            raise ValueError(f"{where}: no user turn to prompt with")
-        out.append((torch.tensor(ids), str(record.get("domain", "default"))))
+            raise ValueError(f"{where}: no user turn to prompt with; give 'prompt' or 'messages'")
+        out.append((torch.tensor(ids), prompt_set.domain or conv.get("domain") or fallback))
         if len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"validate.prompts={str(path)!r} holds no prompts")
+        raise ValueError(f"validate.prompts={prompt_set.path!r} holds no prompts")
     return out
 
 
+def _jsonl_records(path: Path) -> list[tuple[str, dict]]:
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                records.append((f"{path}:{number}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    return records
+
+
 def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
-    """Held-out conversations up to their first assistant turn, rendered with the chat template
-    (or `validate.prompts` when set)."""
+    """Held-out conversations up to their first assistant turn (or whole, for prompts without an answer),
+    rendered with the chat template; or the `validate.prompts` sets, taken in turn so that any first n
+    share the sets evenly."""
     from draftsmith.data.prepare import load_heldout
-    if recipe.validate.prompts:
-        return prompts_from_file(recipe, tokenizer, limit)
+    sets = prompt_sets(recipe)
+    if sets:
+        chosen = [prompts_of_set(recipe, tokenizer, s, limit) for s in sets]
+        interleaved = [p for row in itertools.zip_longest(*chosen) for p in row if p is not None]
+        return interleaved[:limit]
     prompts = []
     for conv in load_heldout(recipe):
-        if not any(m["role"] == "assistant" for m in conv.get("messages", [])):
-            continue  # a held-out prompt is a conversation's turns before its first answer
-        ids = _prompt_ids(recipe, tokenizer, conv)
+        ids = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
         if ids is not None:
             prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
         if len(prompts) >= limit:

@@ -26,3 +26,21 @@ def draft_step_cost(drafter, target, prompt: torch.Tensor, repeats: int = 5) -> 
     for _ in range(repeats):
         target.forward(prompt[-1:], zero, one)
     return per_draft_step / ((time.perf_counter() - start) / repeats)
+
+
+def verify_costs(target, prompt: torch.Tensor, max_tokens: int, repeats: int = 3) -> list[float]:
+    """v(n) for n = 1..max_tokens: seconds of one target forward verifying a chain of n tokens after `prompt`,
+    over one plain decode step (v(1) = 1)."""
+    target.reset()
+    target.prefill(prompt)
+    seconds = []
+    for n in range(1, max_tokens + 1):
+        tokens = prompt[-1:].repeat(n)
+        depth = torch.arange(n, device=target.device)
+        chain = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+        target.forward(tokens, depth, chain)  # warm-up of this shape
+        start = time.perf_counter()
+        for _ in range(repeats):
+            target.forward(tokens, depth, chain)
+        seconds.append((time.perf_counter() - start) / repeats)
+    return [s / seconds[0] for s in seconds]

@@ -17,12 +17,12 @@ from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
-from draftsmith.runtime.economics import low_batch_screen
+from draftsmith.runtime.economics import depth_speedups, low_batch_screen
 from draftsmith.runtime.generate import plain_generate, speculative_generate
 from draftsmith.runtime.loading import (
     eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_drafter, validation_max_len, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
-from draftsmith.runtime.timing import draft_step_cost
+from draftsmith.runtime.timing import draft_step_cost, verify_costs
 from draftsmith.runtime.verify import SamplingConfig
 from draftsmith.targets.parallel import is_first_rank
 
@@ -101,11 +101,35 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     gate_generate = result["exact_vs_generate"] or model.dtype != torch.float32
     result["passed"] = bool(result["exact_match"] and gate_generate and not result["non_finite_tensors"]
                             and (cfg.min_tau is None or result["tau"] >= cfg.min_tau))
+    result["warnings"] = _warnings(result)
+    for warning in result["warnings"]:
+        print(f"[draftsmith] validate: WARNING: {warning}", flush=True)
     out_dir = Path(out) if out else validate_dir(recipe)
     if parallel.is_first_rank():  # every rank of a sharded target ran the same decoding; one writes
         write_report(out_dir, result)
     return {k: result[k] for k in ("tau", "speedup_vs_plain", "speedup_vs_hf_generate", "exact_match", "passed")} | {
         "report": str(out_dir / "report.md")}
+
+
+def _warnings(result: dict) -> list[str]:
+    """What a passing head can still get wrong: it is exact, but does it pay on this device?"""
+    out = []
+    if result["speedup_vs_plain"] < 1:
+        out.append(f"the head is SLOWER than plain decoding on {result['device']}: {result['speedup_vs_plain']:.2f}x "
+                   f"(tau {result['tau']:.2f}, draft cost c {result['draft_to_target_cost_c']:.3f}); try a shorter chain "
+                   "(validate.depth) or a narrower tree, or a GPU, where a verify forward costs about one decode step")
+    choice = result.get("depth_choice")
+    if choice and choice["best_depth"] == 0:
+        out.append(f"no chain depth pays on {result['device']}: verifying n tokens costs "
+                   f"{', '.join(f'{v:.2f}' for v in choice['verify_cost_by_tokens'][:4])} ... decode steps for n = 1, 2, 3, 4, "
+                   "more than the accepted tokens return")
+    elif choice and choice["best_predicted_speedup"] > 1.05 * choice["predicted_speedup_by_depth"][len(result["acceptance_per_depth"])]:
+        out.append(f"depth {choice['best_depth']} pays best on {result['device']} (predicted "
+                   f"{choice['best_predicted_speedup']:.2f}x): set validate.depth: {choice['best_depth']}")
+    slow = [d for d, s in result.get("per_domain", {}).items() if s.get("speedup_vs_plain", 1) < 1]
+    if slow and len(result.get("per_domain", {})) > 1:
+        out.append(f"slower than plain decoding on the prompts of {', '.join(slow)}")
+    return out
 
 
 def _calibrate(drafter, runner, prompts, max_new_tokens: int, eos) -> dict:
@@ -130,6 +154,28 @@ def _grouped(accepts: list[list[int]], keys: list[str], depth: int) -> dict:
         stats = acceptance_stats([a for acc, k in zip(accepts, keys) if k == key for a in acc], depth)
         out[key] = {"num_prompts": keys.count(key), "tau": stats["tau"], "alpha_iid": alpha_from_tau(stats["tau"], depth),
                     "acceptance_per_depth": stats["acceptance_per_depth"]}
+    return out
+
+
+def _depth_choice(runner, prompt, acceptance_per_depth: list[float], c: float, depth: int) -> dict:
+    """The chain depth that pays on this device: the verify cost measured by the number of tokens verified,
+    the predicted speedup of each depth from the measured acceptance, and the best (0: none pays)."""
+    costs = verify_costs(runner, prompt, depth + 1)
+    predicted = depth_speedups(acceptance_per_depth, c, costs)
+    best = max(predicted, key=predicted.get)
+    return {"verify_cost_by_tokens": costs, "predicted_speedup_by_depth": predicted, "best_depth": best,
+            "best_predicted_speedup": predicted[best]}
+
+
+def _speedups(timings: list[tuple], keys: list[str]) -> dict:
+    """Per group of prompts: speculative tokens/s over plain decoding's and over HF `generate`'s, from
+    (plain tokens, s, speculative tokens, s, generate tokens, s) per prompt."""
+    out = {}
+    for key in sorted(set(keys)):
+        rows = [t for t, k in zip(timings, keys) if k == key]
+        plain, spec, hf = (sum(r[i] for r in rows) / max(sum(r[i + 1] for r in rows), 1e-9) for i in (0, 2, 4))
+        out[key] = {"spec_tokens_per_s": spec, "speedup_vs_plain": spec / max(plain, 1e-9),
+                    "speedup_vs_hf_generate": spec / max(hf, 1e-9)}
     return out
 
 
@@ -178,7 +224,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     speculative_generate(runner, drafter, prompts[0], 8, greedy, eos)
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
-    accept, exact, mismatches, per_prompt = [], 0, [], []
+    accept, exact, mismatches, per_prompt, timings = [], 0, [], [], []
     exact_generate, mismatches_generate = 0, []
     bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=not is_first_rank())
     for i, prompt in enumerate(bar):
@@ -190,6 +236,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
         plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(reference)
         accept += spec.accept_lengths
         per_prompt.append(spec.accept_lengths)
+        timings.append((len(base.tokens), base.seconds, len(spec.tokens), spec.seconds, len(reference), seconds))
         if base.tokens == spec.tokens:
             exact += 1
         else:
@@ -214,7 +261,13 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     result["speedup_vs_hf_generate"] = result["spec_tokens_per_s"] / result["hf_generate_tokens_per_s"]
     # the low-batch screen: Theorem 3.8's prediction next to the measurement, and the break-even c*
     result["screen"] = low_batch_screen(stats["tau"], cfg.depth, c, result["speedup_vs_plain"], stats["acceptance_per_depth"])
-    result["screen"]["per_domain"] = _grouped(per_prompt, domains or ["heldout"] * len(prompts), cfg.depth)
+    domains = domains or ["heldout"] * len(prompts)
+    result["screen"]["per_domain"] = _grouped(per_prompt, domains, cfg.depth)
+    for domain, speeds in _speedups(timings, domains).items():
+        result["screen"]["per_domain"][domain].update(speeds)
+    result["per_domain"] = result["screen"]["per_domain"]
+    if cfg.top_k == 1 and not cfg.tree_choices:  # a chain: each depth's cost is known (a tree verifies num_nodes)
+        result["depth_choice"] = _depth_choice(runner, prompts[0], stats["acceptance_per_depth"], c, cfg.depth)
     result["screen"]["per_input_length"] = _grouped(per_prompt, [_length_bucket(len(p)) for p in prompts], cfg.depth)
     result["screen"]["per_position"] = _by_position(per_prompt, prompts, cfg.depth)
     if cfg.temperature > 0:
@@ -273,9 +326,18 @@ def write_report(out_dir: Path, result: dict) -> None:
     if positions:
         lines.append("- tau by position of the drafting round (context length, tokens): " + ", ".join(
             f"{bucket} {stats['tau']:.2f} ({stats['num_rounds']} rounds)" for bucket, stats in positions.items()))
-    if result["speedup_vs_plain"] < 1:
-        slower = f"SLOWER than plain decoding: speedup {result['speedup_vs_plain']:.2f}x < 1 on this device"
-        lines.append(f"- {RED.format(slower)}")
+    choice = result.get("depth_choice")
+    if choice:
+        lines.append("- verify cost by tokens verified (decode steps): " + ", ".join(
+            f"{n} {v:.2f}" for n, v in enumerate(choice["verify_cost_by_tokens"], 1)) + "; predicted speedup by chain depth: "
+            + ", ".join(f"{d} {s:.2f}x" for d, s in choice["predicted_speedup_by_depth"].items())
+            + f"; best depth here: **{choice['best_depth']}**")
+    lines += [f"- {RED.format('WARNING: ' + warning)}" for warning in result.get("warnings", [])]
+    if len(result.get("per_domain", {})) > 1 or next(iter(result.get("per_domain", {})), "heldout") != "heldout":
+        lines += ["", "| domain | prompts | tau | acceptance by depth | vs plain | vs HF generate |", "|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {s['num_prompts']} | {s['tau']:.2f} | {' '.join(f'{a:.2f}' for a in s['acceptance_per_depth'])} | "
+                  f"{s['speedup_vs_plain']:.2f}x | {s['speedup_vs_hf_generate']:.2f}x |" for d, s in result["per_domain"].items()]
+        lines.append("")
     if result.get("non_finite_tensors"):
         lines.append(f"- {RED.format('non-finite head tensors (NaN/inf), not passed: ' + ', '.join(result['non_finite_tensors'][:8]))}")
     if result.get("calibration"):

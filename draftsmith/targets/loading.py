@@ -1,6 +1,7 @@
-"""The frozen target: load any Hugging Face causal LM and its tokenizer, identify it by content
-(fingerprint), and load it partially (embedding/lm_head alone, or only the first and last decoder
-layers) by reading just the needed tensors from its safetensors files."""
+"""The frozen target: load any Hugging Face causal LM (a model directory, a Hub id, or a GGUF file through
+targets/gguf.py) and its tokenizer, identify it by content (fingerprint), and load it partially
+(embedding/lm_head alone, or only the first and last decoder layers) by reading just the needed tensors
+from its safetensors files."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.recipe import Recipe
+from draftsmith.targets import gguf
 from draftsmith.targets.features import Skip, decoder_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,23 +30,52 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def target_fingerprint(model: str) -> str:
     """Cheap identity of a model directory: its config plus, per weight file, the size and a hash of
-    sampled 64 KiB blocks (so a retrained target differs, without reading 100 GB of weights)."""
-    path = Path(model)
+    sampled 64 KiB blocks (so a retrained target differs, without reading 100 GB of weights). A single file
+    (GGUF) is fingerprinted the same way."""
+    path = gguf.local_file(model) if gguf.is_gguf(model) and gguf.is_local(model) else Path(model)
+    if path.is_file():
+        return _sampled_digest(hashlib.sha256(), [path]).hexdigest()[:16]
     if not path.is_dir():
         return hashlib.sha256(model.encode()).hexdigest()[:16]
     digest = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").exists() else b"")
-    for weight in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+    return _sampled_digest(digest, sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))).hexdigest()[:16]
+
+
+def _sampled_digest(digest, files: list[Path]):
+    for weight in files:
         size = weight.stat().st_size
         digest.update(f"{weight.name}:{size}".encode())
         with open(weight, "rb") as handle:
             for k in range(16):
                 handle.seek(size * k // 16)
                 digest.update(handle.read(1 << 16))
-    return digest.hexdigest()[:16]
+    return digest
+
+
+def local_model(model: str, dtype: str = "auto") -> str:
+    """What transformers loads the target from: `target.model` itself, or for a GGUF file its dequantized
+    copy (fp32 for `auto`: the exact dequantized values; converted once, targets/gguf.py)."""
+    if not gguf.is_gguf(model):
+        return model
+    check_model_path(model)
+    return str(gguf.convert(model, "fp32" if dtype == "auto" else dtype, target_fingerprint(model)))
+
+
+def target_config(model: str):
+    """The target's config: from the model directory or Hub, or from a GGUF file's metadata alone."""
+    from transformers import AutoConfig
+    check_model_path(model)
+    return gguf.read_config(model) if gguf.is_gguf(model) else AutoConfig.from_pretrained(model)
 
 
 def check_model_path(model: str, key: str = "target.model") -> None:
     looks_local = model.startswith((".", "/", "runs")) or Path(model).exists()
+    if gguf.is_gguf(model):
+        if gguf.is_local(model):
+            gguf.local_file(model)  # names a missing file or package
+        else:
+            check_hub_model(gguf.location(model)[0], key)
+        return
     if looks_local and not (Path(model) / "config.json").exists():
         raise ValueError(f"{key}={model!r}: no model directory with a config.json there "
                          f"(for the embedded default run `draftsmith target --recipe ...` first)")
@@ -92,7 +123,7 @@ def check_hub_model(model: str, key: str = "target.model") -> None:
 def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
     check_model_path(recipe.target.model)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    tokenizer = AutoTokenizer.from_pretrained(local_model(recipe.target.model, recipe.target.dtype))
     if recipe.target.chat_template:
         tokenizer.chat_template = recipe.target.chat_template
     tokenizer.draftsmith_template_kwargs = dict(recipe.data.chat_template_kwargs)
@@ -107,19 +138,19 @@ def load_target(recipe: Recipe, device: torch.device | None = None, layout=None,
     rank reading only its shard; the layout is checked against the config first (and, by the stage,
     against the device's memory: plan.check_before_loading), so a layout that cannot work fails before
     any weight is read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from draftsmith.targets import parallel
     check_model_path(recipe.target.model)
     device = device or pick_device()
     dtype = resolve_dtype(recipe.target.dtype, device)
+    source = local_model(recipe.target.model, recipe.target.dtype)
     if layout is None or not layout.sharded:
-        model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype,
-                                                     attn_implementation=recipe.target.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation)
         model.requires_grad_(False)
         return model.eval().to(device)
-    parallel.check_config(layout, AutoConfig.from_pretrained(recipe.target.model))
+    parallel.check_config(layout, target_config(recipe.target.model))
     parallel.init_process_group()
-    model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=dtype, attn_implementation=recipe.target.attn_implementation,
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation,
                                                  distributed_config=layout.distributed_config())
     model.requires_grad_(False)
     return model.eval()
@@ -129,9 +160,8 @@ def _empty_target(model_dir: str):
     """(config, the architecture with parameters on the meta device and buffers such as rotary
     tables real): parameter names and module layout without reading any weight."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    check_model_path(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    from transformers import AutoModelForCausalLM
+    config = target_config(model_dir)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     return config, model
@@ -205,14 +235,15 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
     qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, llama4; Nemotron-H's `backbone.` names) go through
     `from_pretrained`, which owns those conversions, on the model's own class with the skipped layers
     already stand-ins: their tensors match no parameter, so they are never converted nor kept."""
-    config, model = _empty_target(recipe.target.model)
+    source = local_model(recipe.target.model, recipe.target.dtype)
+    config, model = _empty_target(source)
     layers = decoder_of(model).layers
     for i in skip:
         layers[i] = Skip.for_decoder(decoder_of(model), layers[i])
     head = _weight_name(model, model.get_output_embeddings())
     wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - ({head} if _tied(config) else set())
     dtype = resolve_dtype(recipe.target.dtype, device)
-    converted = sorted(wanted - _names_on_disk(recipe.target.model))
+    converted = sorted(wanted - _names_on_disk(source))
     if converted:
         import transformers
         print(f"target.model={recipe.target.model!r}: its tensors are renamed or converted while loading "
@@ -221,7 +252,7 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # the skipped layers' tensors are "not used", by design
         try:
-            model, info = _without_layers(type(model), skip).from_pretrained(recipe.target.model, dtype=dtype,
+            model, info = _without_layers(type(model), skip).from_pretrained(source, dtype=dtype,
                                                                                output_loading_info=True)
         finally:
             transformers.logging.set_verbosity(verbosity)
@@ -231,7 +262,7 @@ def load_target_layers(recipe: Recipe, device: torch.device, skip: range):
                              "(needed to rebuild features at train time; capture with capture.recompute: false instead)")
         model.requires_grad_(False)
         return model.eval().to(device)
-    state = _read_weights(recipe.target.model, wanted, "needed to rebuild features at train time; "
+    state = _read_weights(source, wanted, "needed to rebuild features at train time; "
                           "capture with capture.recompute: false instead")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if _tied(config):

@@ -78,12 +78,12 @@ def _planned_steps(recipe: Recipe, num_samples: int, world: int) -> int:
 
 
 def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
-    from transformers import AutoConfig
+    from draftsmith.targets.loading import local_model, target_config as read_config
     from draftsmith.targets.parallel import layout_for
     layout = layout_for(recipe, "train")
     accelerator = accelerator or make_accelerator(recipe)
     dataset, data_manifest = load_train(recipe)
-    target_config = AutoConfig.from_pretrained(recipe.target.model)
+    target_config = read_config(local_model(recipe.target.model, recipe.target.dtype))
     text_config = target_config.get_text_config()
     spec = head_spec(recipe.head.kind)
     layer_ids = layer_ids_for(recipe, text_config.num_hidden_layers, spec.features)

@@ -139,7 +139,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
              f"{draft['dflash_config']['target_layer_ids']}",
              f"block size {draft['block_size']}, mask token id {draft['dflash_config']['mask_token_id']} "
              f"({draft['draftsmith'].get('mask_token_source')}), {draft['num_hidden_layers']} layers"]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out,
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>", out,
                                                                draft["block_size"] - 1), facts)
 
 

@@ -87,7 +87,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
     facts = ["feature: the target's final hidden state (after its final norm); full vocabulary through the "
              "target's lm_head", f"fc bias: {bool(config.get('bias'))}; decoder layer: a {config['model_type']} layer "
              f"without input_layernorm (target family: {target_family})"]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 5)), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>", out, depth=measured_k(meta, 5)), facts)
 
 
 def recognizes(config: dict) -> bool:

@@ -105,7 +105,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
     options = [k for k in ("fc_norm", "norm_output") if meta["draft_config"].get(k)]
     if options:
         facts.append(f"EAGLE 3.1 options: {', '.join(options)} (vLLM and SpecForge read these config keys)")
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3)), facts)
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>", out, depth=measured_k(meta, 3)), facts)
 
 
 def _normalize_names(tensors: dict) -> dict:

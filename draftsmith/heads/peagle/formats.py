@@ -64,7 +64,7 @@ def model_card(engine: str, meta: dict, validation: dict | None, out: str) -> st
     facts = [f"layer ids (input-to-layer): {meta.get('layer_ids')}", f"draft vocabulary: {draft['draft_vocab_size']}",
              f"{draft['num_hidden_layers']} layers, mask token id {draft['mask_token_id']} "
              f"({draft['draftsmith'].get('mask_token_source')}); every draft token of a round from one forward"]
-    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("target_id") or "<target>", out,
+    return card(TITLE, engine, meta, validation, serve_command(engine, meta.get("served_target") or meta.get("target_id") or "<target>", out,
                                                                measured_k(meta, 7)), facts)
 
 

@@ -22,6 +22,8 @@ STAGES = {
     "plan": "per-device memory of every stage that runs the target, the smallest tp/pp/ep layout that fits, and the "
             "expected target forwards, from the target's config alone (no weights)",
     "run": "every stage in order, skipping those whose manifest matches the recipe",
+    "init": "write a commented recipe for a target and a head kind from the target's config alone: layer ids, template "
+            "settings, draft vocabulary, the smallest parallel layout, a validation tree for a GPU, launch lines",
 }
 
 
@@ -30,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="stage")
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "init":
+            p.add_argument("--target", required=True, help="model directory, hub id or .gguf file (what target.model takes)")
+            p.add_argument("--kind", required=True, help="head kind: eagle3, eagle2, medusa, mtp, dflash, peagle")
+            p.add_argument("--out", help="where to write the recipe (default: print it)")
+            p.add_argument("--config", help="a config.json (or its directory) to read instead of the target's (offline)")
+            p.add_argument("--gpus", type=int, default=8, help="devices the layout is planned for (default 8)")
+            p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one device in GB (default 80)")
+            continue
         p.add_argument("--recipe", required=name != "validate" and name != "export", help="recipe YAML (recipes/<target>/<head>.yaml)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-4")
         if name == "data":
@@ -78,6 +88,10 @@ def _load(args) -> recipe_mod.Recipe:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.stage == "init":
+            from draftsmith.scaffold import write_recipe
+            print(write_recipe(args.target, args.kind, args.out, args.config, args.gpus, args.gpu_memory_gb), end="")
+            return 0
         if args.stage in ("validate", "export") and not args.recipe:
             recipe = None
         else:

@@ -24,21 +24,21 @@ class RecipeError(ValueError):
 @dataclass
 class EmbeddedTargetConfig:
     """Shape and budget of the tiny Llama that `draftsmith target` trains on stdlib source."""
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 2048
-    seq_len: int = 256
-    batch_size: int = 16
-    lr: float = 1.5e-3
-    train_seconds: float = 240.0
+    vocab_size: int = 4096  # BPE vocabulary trained on the corpus
+    hidden_size: int = 256  # the tiny Llama's width
+    intermediate_size: int = 688  # its MLP width
+    num_hidden_layers: int = 8  # its decoder layers
+    num_attention_heads: int = 8  # its attention heads
+    num_key_value_heads: int = 4  # its KV heads (grouped-query attention)
+    max_position_embeddings: int = 2048  # its context length
+    seq_len: int = 256  # training sequence length (tokens)
+    batch_size: int = 16  # training sequences per step
+    lr: float = 1.5e-3  # peak learning rate (AdamW, cosine)
+    train_seconds: float = 240.0  # wall-clock budget of its training (a cap when max_steps is set)
     max_steps: int | None = None  # set it for a bit-for-bit reproducible target (schedule by steps)
-    corpus_mb: float = 6.0
-    chat_fraction: float = 0.3
-    seed: int = 0
+    corpus_mb: float = 6.0  # megabytes of stdlib source to train on
+    chat_fraction: float = 0.3  # share of training sequences rendered as chat conversations
+    seed: int = 0  # seed of its initialisation and data order
 
 
 @dataclass
@@ -46,28 +46,28 @@ class ParallelConfig:
     """How one replica of the target is laid out over devices (transformers' DistributedConfig):
     tensor-, pipeline- and expert-parallel sizes. Data parallelism is what the world size leaves:
     dp = world / (tp * pp). Override per launch: `target.parallel.tp=4`."""
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    ep: int = 1  # expert-parallel size: 1, or equal to tp
 
 
 @dataclass
 class TargetConfig:
     """The frozen target model: a local directory, a hub id, or a GGUF file (`embedded` builds the demo one)."""
-    model: str = ""
+    model: str = ""  # a model directory, hub id, .gguf file (path, org/repo/file.gguf, package:NAME/file.gguf)
     gguf_file: str | None = None        # a GGUF file inside the directory or hub repository `model` (folded into
                                         # `model` as <model>/<file> when the recipe loads); or name the .gguf in `model`
-    embedded: EmbeddedTargetConfig | None = None
-    dtype: str = "auto"
-    chat_template: str | None = None
+    embedded: EmbeddedTargetConfig | None = None  # build the demo's tiny target at `model` (draftsmith target)
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (exactness)
+    chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     attn_implementation: str | None = None  # None: the model's own default (sdpa where it has it, else eager)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how one replica is laid out over devices
 
 
 @dataclass
 class DataSource:
-    path: str = ""
-    format: str = "auto"
+    path: str = ""  # a .jsonl/.json file, a datasets source (hub id or saved folder), or builtin:NAME
+    format: str = "auto"  # auto detects it from the record's keys
     split: str = "train"                # a `datasets` source's split (UltraChat-200K: train_sft)
     name: str | None = None             # a `datasets` source's configuration name
     streaming: bool = False             # read a `datasets` source record by record, never whole on disk or in memory
@@ -78,11 +78,11 @@ class DataSource:
 class RegenConfig:
     """The target rewrites every assistant turn: in process (batched `generate`), or through an
     OpenAI-compatible chat-completions server (`server`: vLLM, SGLang, TGI, `transformers serve`)."""
-    enabled: bool = False
-    max_new_tokens: int = 256
+    enabled: bool = False  # answer every assistant turn (and every unanswered prompt) with the target
+    max_new_tokens: int = 256  # tokens per answer
     batch_size: int = 8                 # in process: conversations per generate batch
     temperature: float = 0.0            # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the answer, as servers do)
     server: str | None = None           # base URL, e.g. http://host:8000/v1; None: in process
     api_key_env: str | None = None      # the NAME of an environment variable holding the key, never the key
@@ -95,31 +95,31 @@ class RegenConfig:
 @dataclass
 class DataConfig:
     """Conversations in, tokens plus assistant-only loss masks out."""
-    sources: list[DataSource] = field(default_factory=list)
-    builtin: str | None = None
-    system_prompt: str | None = None
-    chat_template_kwargs: dict = field(default_factory=dict)
-    max_length: int = 2048
-    overflow: str = "truncate"
-    bad_lines: str = "skip"
-    heldout_fraction: float = 0.1
-    max_conversations: int | None = None
-    regen: RegenConfig = field(default_factory=RegenConfig)
+    sources: list[DataSource] = field(default_factory=list)  # the conversation sources, read in order
+    builtin: str | None = None  # stdlib: the demo's function-writing conversations
+    system_prompt: str | None = None  # a system turn put first where a conversation has none
+    chat_template_kwargs: dict = field(default_factory=dict)  # to the chat template (enable_thinking), as served
+    max_length: int = 2048  # tokens per sample
+    overflow: str = "truncate"  # a longer sample: truncate it, or drop it
+    bad_lines: str = "skip"  # a malformed line: skip and count it, or fail naming it
+    heldout_fraction: float = 0.1  # share of conversations kept out of training (validation prompts)
+    max_conversations: int | None = None  # at most this many training conversations (a seeded sample)
+    regen: RegenConfig = field(default_factory=RegenConfig)  # regeneration of assistant turns by the target
 
 
 @dataclass
 class CaptureConfig:
     """Which hidden states to store, and how."""
-    mode: str = "offline"
-    layer_ids: list[int] | None = None
-    dtype: str = "bf16"
-    shard_size_mb: float = 256.0
-    batch_tokens: int = 8192
+    mode: str = "offline"  # offline: a store of features; online: the trainer runs the target
+    layer_ids: list[int] | None = None  # input-to-layer ids of the features (None: the kind's default, e.g. [2, N//2, N-3])
+    dtype: str = "bf16"  # dtype of stored features
+    shard_size_mb: float = 256.0  # size of one store shard
+    batch_tokens: int = 8192  # tokens per target forward while capturing
     # store only what the target cannot rebuild cheaply: EAGLE-3's mid and high features; the low
     # feature and the teacher are recomputed at train time from the first layer_ids[0] and the last
     # N - layer_ids[-1] target layers (5 of N layers with the defaults)
     recompute: bool = True
-    compression: str = "zstd"
+    compression: str = "zstd"  # compression of the store's shards
     chunk_tokens: int | None = None     # run a sample longer than this through the target in chunks over its own cache
                                         # (a prefill in pieces: one chunk's activations at a time); None: whole
 
@@ -128,29 +128,30 @@ class CaptureConfig:
 class LoraJointConfig:
     """Joint training of head and target (Medusa-2; MTP joint): LoRA adapters on the target (peft),
     self-distillation (KL to the target with adapters off), heads-only warmup first."""
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: int = 16  # LoRA rank
+    alpha: float = 32.0  # LoRA alpha
+    dropout: float = 0.0  # LoRA dropout
+    # the target's modules that get adapters
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
     heads_only_steps: int | None = None  # stage 1 (heads only); None: a third of train's steps
     heads_coefficient: float = 0.2       # weight of the head loss next to the KL term in stage 2
     heads_ramp: str = "sine"             # constant | linear | sine ramp of that weight over stage 2
     heads_lr_multiplier: float = 4.0     # heads' learning rate = train.lr x this; adapters get train.lr
-    kl_weight: float = 1.0
+    kl_weight: float = 1.0  # weight of the KL term to the original target
 
 
 @dataclass
 class HeadConfig:
     """Which head and its objective. Keys a kind does not read are ignored by it (see README)."""
-    kind: str = "eagle3"
+    kind: str = "eagle3"  # eagle3 | eagle2 | medusa | mtp | dflash | peagle
     draft_vocab_size: int | None = None  # eagle3, peagle: the draft vocabulary (None: 32000); dflash: None drafts over
                                         # the target's whole vocabulary (z-lab), a size below it over the most frequent
                                         # tokens, as speculators' DFlash (eagle2, mtp, medusa: always the whole one)
     ttt_steps: int | None = None        # unrolled training-time-test steps (peagle: depths trained, the draft tokens
                                         # of one forward); None: the kind's default (eagle3 7, peagle 8)
     loss_decay: float | None = None     # weight decay^i of step/head i; None: the kind's default (0.8; mtp: beta 0.6, normalised)
-    intermediate_size: int | None = None
+    intermediate_size: int | None = None  # the draft layer's MLP width (None: the target's)
     fc_bias: bool | None = None         # eagle2: bias of fc; None: as the target family's published heads
     layer: str | None = None            # eagle2: draft layer llama | target; None: the target's family where an
                                         # engine's EAGLE-1 class holds it (llama, mistral, qwen2), else llama
@@ -183,33 +184,33 @@ class HeadConfig:
 
 @dataclass
 class TrackingConfig:
-    backend: str = "wandb"
-    project: str = "draftsmith"
-    run_name: str | None = None
-    tags: list[str] = field(default_factory=list)
+    backend: str = "wandb"  # wandb (offline without a key) or none
+    project: str = "draftsmith"  # W&B project
+    run_name: str | None = None  # W&B run name (None: the recipe's name)
+    tags: list[str] = field(default_factory=list)  # W&B tags
 
 
 @dataclass
 class TrainConfig:
-    epochs: float = 1.0
-    max_steps: int | None = None
-    batch_size: int = 1
-    max_batch_tokens: int = 4096
-    grad_accum: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.015
-    max_grad_norm: float = 0.5
-    eval_every: int = 200
-    save_every: int = 200
-    keep_last: int = 2
-    log_every: int = 10
-    seed: int = 0
+    epochs: float = 1.0  # passes over the data (fractions allowed)
+    max_steps: int | None = None  # stop after this many optimizer steps (None: epochs decide)
+    batch_size: int = 1  # samples per step per process
+    max_batch_tokens: int = 4096  # tokens per batch at most (longer batches are split)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_ratio: float = 0.015  # share of steps warming the learning rate up, then cosine decay
+    max_grad_norm: float = 0.5  # gradient clipping norm
+    eval_every: int = 200  # steps between held-out evaluations
+    save_every: int = 200  # steps between checkpoints (a killed run resumes from the last)
+    keep_last: int = 2  # checkpoints kept
+    log_every: int = 10  # steps between logged metrics
+    seed: int = 0  # seed of the head's initialisation and the data order
     activation_checkpointing: bool = False  # recompute each unrolled TTT step in backward: long samples
     group_by_length: bool = False       # batches of samples of similar lengths (shuffled windows): less padding
     sequence_parallel: int = 1          # consecutive processes that split one sample's positions (eagle3, eagle2, mtp)
     corrupt_samples: str = "fail"   # a sample failing its checksum: stop naming it, or skip (mask) and count it
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # where metrics go (W&B on the main process)
 
 
 @dataclass
@@ -223,22 +224,22 @@ class PromptSet:
 @dataclass
 class ValidateConfig:
     num_prompts: int = 16           # in all, shared evenly by the prompt sets
-    max_new_tokens: int = 128
-    depth: int = 6
-    top_k: int = 8
-    num_nodes: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    sample_top_k: int = 0
-    device: str = "auto"
-    min_tau: float | None = None
+    max_new_tokens: int = 128  # tokens decoded per prompt
+    depth: int = 6  # draft depth (a chain's length, a tree's depth)
+    top_k: int = 8  # children per node when drafting a tree (1: a chain)
+    num_nodes: int = 32  # tree nodes verified per round (root included)
+    temperature: float = 0.0  # 0: greedy (exactness checked); > 0: also lossless sampled decoding
+    top_p: float = 1.0  # nucleus sampling of the sampled run
+    sample_top_k: int = 0  # top-k sampling of the sampled run (0: off)
+    device: str = "auto"  # auto: CUDA when present, else CPU
+    min_tau: float | None = None  # a head below this tau does not pass
     prompts: str | list[PromptSet] | None = None  # a JSONL (conversations or {"prompt": ...} lines, optional "domain"),
                                     # or several sets, each its own domain; None: the held-out data
     tree_choices: list[list[int]] | None = None  # medusa: a static choice list; None: built from measured accuracies
     num_calibration_prompts: int = 8             # medusa: held-out prompts (after the measured ones) for the tree
     typical_acceptance: bool = False             # medusa: also measure Medusa's lossy typical acceptance (reported, never pass/fail)
-    posterior_threshold: float = 0.09
-    posterior_alpha: float = 0.3
+    posterior_threshold: float = 0.09  # medusa: typical acceptance's threshold
+    posterior_alpha: float = 0.3  # medusa: typical acceptance's alpha
 
 
 @dataclass
@@ -251,33 +252,33 @@ class ExportConfig:
 class EmbeddedDraftConfig:
     """A small causal LM that `draftsmith target` trains next to the embedded target, on its corpus
     and with its tokenizer: the demo's draft-model baseline (economics.draft_model)."""
-    hidden_size: int = 64
-    intermediate_size: int = 176
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
-    seq_len: int = 128
-    batch_size: int = 16
-    lr: float = 6e-3
-    max_steps: int | None = 400
-    train_seconds: float = 900.0
-    seed: int = 0
+    hidden_size: int = 64  # the draft model's width
+    intermediate_size: int = 176  # its MLP width
+    num_hidden_layers: int = 2  # its decoder layers
+    num_attention_heads: int = 2  # its attention heads
+    num_key_value_heads: int = 1  # its KV heads
+    seq_len: int = 128  # training sequence length
+    batch_size: int = 16  # training sequences per step
+    lr: float = 6e-3  # peak learning rate
+    max_steps: int | None = 400  # training steps
+    train_seconds: float = 900.0  # wall-clock cap of its training
+    seed: int = 0  # seed
 
 
 @dataclass
 class EconomicsConfig:
     """`draftsmith economics`: batched decoding swept over batch size and K (speculative tokens per
     row, drafted as one chain), the head next to the baselines, and the cost of each."""
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch sizes swept
     num_speculative_tokens: list[int] | None = None  # the K values; None: 0 to validate.depth
     num_prompts: int = 16          # distinct prompts (validate.prompts or held-out), repeated to fill a batch
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # tokens decoded per row
     gpu_hour_usd: float | None = None      # price of the serving hardware; None: no cost table (or --gpu-hour-usd)
     extra_usd_per_hour: float = 0.0        # extra hardware a drafter needs (applied to every speculative setting)
     memory_fraction: float = 0.8           # batch sizes whose KV cache would exceed this share of free memory are skipped
     baselines: list[str] = field(default_factory=lambda: ["ngram", "draft-model"])
-    ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_max: int = 3  # the n-gram baseline's longest match
+    ngram_min: int = 1  # its shortest match
     draft_model: str | None = None         # a small HF causal LM sharing the target's tokenizer
     draft_model_embedded: EmbeddedDraftConfig | None = None  # the demo: `draftsmith target` builds it at draft_model
     compare: list[str] = field(default_factory=list)  # other heads for this target (checkpoint or export directories),
@@ -288,17 +289,17 @@ class EconomicsConfig:
 @dataclass
 class Recipe:
     """Everything about *what* to train. How to launch lives in recipes/launch/."""
-    name: str = ""
-    out_dir: str = "runs"
-    seed: int = 0
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    capture: CaptureConfig = field(default_factory=CaptureConfig)
-    head: HeadConfig = field(default_factory=HeadConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    validate: ValidateConfig = field(default_factory=ValidateConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
+    name: str = ""  # names the run directory <out_dir>/<name>
+    out_dir: str = "runs"  # where runs are written
+    seed: int = 0  # seed of everything the recipe draws at random
+    target: TargetConfig = field(default_factory=TargetConfig)  # the frozen target
+    data: DataConfig = field(default_factory=DataConfig)  # conversations in, tokens and loss masks out
+    capture: CaptureConfig = field(default_factory=CaptureConfig)  # hidden states to store
+    head: HeadConfig = field(default_factory=HeadConfig)  # the head and its objective
+    train: TrainConfig = field(default_factory=TrainConfig)  # the trainer
+    validate: ValidateConfig = field(default_factory=ValidateConfig)  # validation in the bundled runtime
+    export: ExportConfig = field(default_factory=ExportConfig)  # engine formats
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)  # draftsmith economics
     source_path: str = ""
 
     @property

@@ -67,9 +67,21 @@ def test_empty_source_is_refused_naming_the_source_and_key(tmp_path, micro_targe
 
 
 def test_no_loss_tokens_after_masking_is_refused(tmp_path, micro_target):
+    """Every answer cut off by data.max_length: the stage stops, counting why, and writes nothing."""
+    long_question = "a question that fills the whole sample " * 20
+    path = write_jsonl(tmp_path / "q.jsonl", [{"id": "q", "messages": [{"role": "user", "content": long_question},
+                                                                        {"role": "assistant", "content": "an answer"}]}])
+    recipe = _data_recipe(tmp_path, micro_target, path)
+    recipe.data.max_length = 16
+    with pytest.raises(conv.DataError, match=r"no training conversations with assistant \(loss\) tokens.*no_loss_tokens"):
+        run_data(recipe)
+    assert _nothing_written(recipe)
+
+
+def test_a_prompt_without_an_answer_is_refused_naming_the_key(tmp_path, micro_target):
     path = write_jsonl(tmp_path / "q.jsonl", [{"id": "q", "messages": [{"role": "user", "content": "only a question"}]}])
     recipe = _data_recipe(tmp_path, micro_target, path)
-    with pytest.raises(conv.DataError, match=r"no training conversations with assistant \(loss\) tokens.*no_assistant_turn"):
+    with pytest.raises(conv.DataError, match=r"q.jsonl:1: record 'q' is a prompt without an answer.*data.regen.enabled: true"):
         run_data(recipe)
     assert _nothing_written(recipe)
 

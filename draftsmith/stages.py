@@ -103,7 +103,7 @@ def stage_plan(recipe: Recipe, args=None):
     source = getattr(args, "config", None) or recipe.target.model
     try:
         config = target_config(str(Path(source).parent) if str(source).endswith(".json") else source)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"plan: cannot read the target's config from {source!r} ({exc}); pass --config PATH") from None
     manifest = data_dir(recipe) / artifacts.MANIFEST
     counts = artifacts.read_json(manifest) if manifest.exists() else {}

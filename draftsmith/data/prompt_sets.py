@@ -12,6 +12,7 @@
 split so that no test topic is trained on). The target answers them during regeneration."""
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -113,6 +114,12 @@ def humaneval() -> list[dict]:
 def code_requests(split: str) -> list[dict]:
     """The stdlib's documented functions as requests (signature and first docstring line), in a fixed
     shuffled order; `test` is the modules the demo holds out."""
+    return [_record(f"code-{split}", i, text, "code") for i, text in enumerate(_code_prompts(split))]
+
+
+@functools.lru_cache(maxsize=None)
+def _code_prompts(split: str) -> tuple[str, ...]:
+    """Parsing the whole stdlib takes seconds: once per split and process."""
     from draftsmith.targets import stdlib
     by_split = {"train": {}, "test": {}}  # dicts: each request once, in a fixed order
     for module in stdlib.list_modules():
@@ -120,7 +127,7 @@ def code_requests(split: str) -> list[dict]:
             by_split["test" if stdlib.is_heldout(module.name, 0.1) else "train"][c["messages"][0]["content"]] = None
     prompts = [p for p in by_split[split] if split == "test" or p not in by_split["test"]]
     random.Random(f"code-{split}").shuffle(prompts)
-    return [_record(f"code-{split}", i, text, "code") for i, text in enumerate(prompts)]
+    return tuple(prompts)
 
 
 def math_problems(split: str) -> list[dict]:

@@ -40,9 +40,7 @@ def _template_of(target: str, config_path: str | None) -> str | None:
             text = path.read_text()
             return text if name.endswith(".jinja") else json.loads(text).get("chat_template")
     if gguf.is_gguf(target) and gguf.is_local(target):
-        reader = gguf._reader(gguf.local_file(target))
-        field = reader.fields.get("tokenizer.chat_template")
-        return field.contents() if field is not None else None
+        return gguf.chat_template(target)
     if config_path is None and not Path(target).exists():
         try:
             from transformers import AutoTokenizer
@@ -56,11 +54,12 @@ def _layout(recipe, config, gpus: int, gpu_memory_gb: float) -> dict:
     """The smallest layout that fits every stage that runs the target (`plan`), as target.parallel keys."""
     from draftsmith.plan import make_plan
     plan = make_plan(recipe, config, gpus, gpu_memory_gb)
-    fitting = [row for name, row in plan["stages"].items() if name in ("regen", "capture", "validate") and row["fits"]]
-    if not fitting:
-        raise ValueError(f"init: no layout of {gpus} x {gpu_memory_gb:.0f} GB fits this target; give more --gpus "
-                         "(`draftsmith plan` says how many)")
-    widest = max(fitting, key=lambda row: (row["tp"] * row["pp"], row["ep"]))
+    rows = {name: row for name, row in plan["stages"].items() if name in ("regen", "capture", "validate")}
+    missing = [name for name, row in rows.items() if not row["fits"]]
+    if missing:
+        raise ValueError(f"init: {', '.join(missing)} fits no layout of {gpus} x {gpu_memory_gb:.0f} GB; give more "
+                         "--gpus (`draftsmith plan` says how many)")
+    widest = max(rows.values(), key=lambda row: (row["tp"] * row["pp"], row["ep"]))
     return {"tp": widest["tp"], "pp": widest["pp"], "ep": widest["ep"]}
 
 

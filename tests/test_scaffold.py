@@ -97,3 +97,12 @@ def test_init_then_run_with_no_edits(tmp_path, micro_target, arch):
     summary = run_all(recipe_mod.load(path, budget))
     assert "greedy exact: True" in summary and path.read_text() == written
     assert yaml.safe_load(written)["capture"]["layer_ids"] == ([2, 3, 4] if arch == "qwen3" else [2, 4, 5])  # [2, N//2, N-3]
+
+
+def test_init_refuses_a_target_that_fits_no_layout(tmp_path):
+    folder = _config_dir(tmp_path, "llama", None)
+    config = json.loads((folder / "config.json").read_text()) | {"num_hidden_layers": 80, "hidden_size": 8192,
+                                                                    "intermediate_size": 28672, "num_attention_heads": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"init: .*fits no layout of 1 x 24 GB; give more --gpus"):
+        init_recipe("meta-llama/Llama-3.3-70B-Instruct", "eagle3", str(folder / "config.json"), gpus=1, gpu_memory_gb=24)

@@ -50,7 +50,8 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False) ->
                     raise
                 skips.skip("bad_record", where)
                 continue
-            if not answering and not any(m["role"] == "assistant" for m in item.get("messages", [{"role": "assistant"}])):
+            unanswered = "messages" in item and not any(m["role"] == "assistant" for m in item["messages"])
+            if unanswered and not answering:
                 raise conv.DataError(f"{where}: record {item['id']!r} is a prompt without an answer (no assistant turn); "
                                      "set data.regen.enabled: true (or pass --regen) to have the target answer it")
             (heldout if _split_heldout(item["id"], cfg.heldout_fraction) else train).append(item)

@@ -87,6 +87,12 @@ def metadata(model: str) -> dict:
     return out
 
 
+def chat_template(model: str) -> str | None:
+    """The chat template the file carries (`tokenizer.chat_template`), read from its metadata alone."""
+    field = _reader(local_file(model)).fields.get("tokenizer.chat_template")
+    return field.contents() if field is not None else None
+
+
 def _reader(path: Path):
     try:
         from gguf import GGUFReader

@@ -22,6 +22,9 @@ STAGES = {
     "plan": "per-device memory of every stage that runs the target, the smallest tp/pp/ep layout that fits, and the "
             "expected target forwards, from the target's config alone (no weights)",
     "run": "every stage in order, skipping those whose manifest matches the recipe",
+    "check": "serving parity before deploying: read an export as its engine does, lint it against the recipe, its "
+             "training record and the served target (template and thinking mode, layer ids, rope and norm, draft "
+             "vocabulary, dtype, target), decode the validation prompts as the engine serves it and compare with validation",
     "init": "write a commented recipe for a target and a head kind from the target's config alone: layer ids, template "
             "settings, draft vocabulary, the smallest parallel layout, a validation tree for a GPU, launch lines",
 }
@@ -39,6 +42,17 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--config", help="a config.json (or its directory) to read instead of the target's (offline)")
             p.add_argument("--gpus", type=int, default=8, help="devices the layout is planned for (default 8)")
             p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one device in GB (default 80)")
+            continue
+        if name == "check":
+            p.add_argument("export_dir", help="an exported head directory (<run>/export/<engine>)")
+            p.add_argument("--recipe", help="the recipe the head was trained with (default: the one the export records)")
+            p.add_argument("--prompts", help="prompts to decode instead of the recipe's validate.prompts (JSONL or builtin:NAME)")
+            p.add_argument("--target", help="the target it will be served with (default: the one the export names)")
+            p.add_argument("--engine", help="the engine that will load it (default: the one it was exported for)")
+            p.add_argument("--chat-template-kwargs", default="{}",
+                           help='the chat_template_kwargs requests will carry, as JSON (default {}: the template\'s defaults)')
+            p.add_argument("--num-prompts", type=int, help="prompts to decode (default: as many as validation)")
+            p.add_argument("--lint-only", action="store_true", help="lint only, no decoding (no target forward)")
             continue
         p.add_argument("--recipe", required=name != "validate" and name != "export", help="recipe YAML (recipes/<target>/<head>.yaml)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-4")
@@ -92,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             from draftsmith.scaffold import write_recipe
             print(write_recipe(args.target, args.kind, args.out, args.config, args.gpus, args.gpu_memory_gb), end="")
             return 0
+        if args.stage == "check":
+            from draftsmith import stages
+            report, mismatched = stages.stage_check(None, args)
+            print(report)
+            return 1 if mismatched else 0
         if args.stage in ("validate", "export") and not args.recipe:
             recipe = None
         else:

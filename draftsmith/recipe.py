@@ -159,6 +159,8 @@ class HeadConfig:
     token_weight: float = 0.1           # eagle2: soft cross-entropy weight (EAGLE: 0.1)
     input_noise: float = 0.0            # eagle2: uniform feature noise width, x 512/seq_len (EAGLE: 0.2)
     init_from: str | None = None        # start from a published/exported head of this kind
+    lm_head_init: str = "random"        # eagle3, peagle: the draft lm_head starts random, or as the target's own rows
+                                        # of the draft vocabulary (target); init_from, where set, wins
     objective: str = "soft_ce"          # the vocabulary loss: soft_ce (soft cross-entropy to the teacher), or the
                                         # acceptance-rate (LK) losses: lk_alpha (-log a), lk_lambda (λ·KL + (1-λ)(1-a))
     lk_scale: float = 1.0               # lk_lambda: λ = lk_scale · exp(-lk_rate · a), a detached (SpecForge 1, 1;
@@ -331,6 +333,7 @@ CHOICES = {
     "train.corrupt_samples": {"fail", "skip"},
     "head.lora.heads_ramp": {"constant", "linear", "sine"},
     "head.objective": {"soft_ce", "lk_alpha", "lk_lambda"},
+    "head.lm_head_init": {"random", "target"},
     "export.dtype": {"bf16", "fp16", "fp32"},
     "economics.baselines": {"ngram", "draft-model"},
 }

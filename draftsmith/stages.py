@@ -90,6 +90,18 @@ def stage_export(recipe: Recipe | None, args=None):
     return written | ({"skipped": skipped} if skipped else {})
 
 
+def stage_check(recipe: Recipe | None, args) -> tuple[str, bool]:
+    """(the printed report, whether anything mismatched)."""
+    from draftsmith.runtime.check import render_check, run_check
+    try:
+        kwargs = json.loads(args.chat_template_kwargs or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r}: not JSON ({exc})") from None
+    result = run_check(args.export_dir, args.recipe, args.prompts, args.target, args.engine, kwargs, args.num_prompts,
+                       args.lint_only)
+    return render_check(result), bool(result["findings"])
+
+
 def stage_economics(recipe: Recipe, args=None):
     from draftsmith.runtime.sweep import run_economics
     return run_economics(recipe, head=getattr(args, "head", None), gpu_hour_usd=getattr(args, "gpu_hour_usd", None),

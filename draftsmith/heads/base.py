@@ -52,10 +52,16 @@ class DraftVocabHead(DraftHead):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    lm_head_from_target: bool = False  # head.lm_head_init: target
+
     def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
-        """The target's embedding (frozen in EAGLE-3, the starting point of P-EAGLE's own); the lm_head is the head's."""
+        """The target's embedding (frozen in EAGLE-3, the starting point of P-EAGLE's own); the lm_head is the
+        head's, started from the target's rows of the draft vocabulary where `lm_head_from_target` is set."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight.dtype))
+            if self.lm_head_from_target and lm_head is not None:
+                rows = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+                self.lm_head.weight.copy_(lm_head[rows.to(lm_head.device)].to(self.lm_head.weight.dtype))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

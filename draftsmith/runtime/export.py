@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from draftsmith import artifacts
 from draftsmith.heads.registry import head_spec
+from draftsmith.runtime import check
 
 
 def find_validation(head: Path) -> Path | None:
@@ -117,6 +118,8 @@ def export_head(head: str, engine: str, out: str, dtype: str = "bf16", allow_unv
         else:
             writer(tmp, named, meta | {"export_dtype": dtype}, head_path)
         (tmp / "README.md").write_text(formats.model_card(engine, meta, validation, str(out_path)))
+        sidecar = check.record(meta, engine, validation, head_path, depth, dtype)
+        (tmp / check.SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
         if out_path.exists():
             shutil.rmtree(out_path)
     return {"out": str(out_path), "tensors": len(named), "validated": validation is not None,

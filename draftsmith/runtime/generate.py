@@ -2,7 +2,10 @@
 (draft a tree, verify it in one forward, commit the accepted path, extend the draft)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -98,3 +101,21 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
     _sync(target.device)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def acceptance_stats(accept_lengths: list[int], depth: int) -> dict:
+    """tau includes the bonus token; alpha_d is conditional: P(accept >= d | accept >= d-1)."""
+    counts = Counter(accept_lengths)
+    rounds = max(len(accept_lengths), 1)
+    alpha = []
+    for d in range(1, depth + 1):
+        reached = sum(c for k, c in counts.items() if k >= d - 1)
+        passed = sum(c for k, c in counts.items() if k >= d)
+        alpha.append(passed / reached if reached else 0.0)
+    return {"tau": sum(a + 1 for a in accept_lengths) / rounds, "num_rounds": len(accept_lengths),
+            "acceptance_per_depth": alpha, "accept_length_histogram": {str(k): counts.get(k, 0) for k in range(depth + 1)}}
+
+
+def output_digest(tokens: list[int]) -> str:
+    """What validation records of one prompt's greedy output (`output_sha256`), and `draftsmith check` compares."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from tqdm import tqdm
 from draftsmith import artifacts
 from draftsmith.recipe import Recipe
 from draftsmith.runtime.economics import depth_speedups, low_batch_screen
-from draftsmith.runtime.generate import plain_generate, speculative_generate
+from draftsmith.runtime.generate import acceptance_stats, output_digest, plain_generate, speculative_generate
 from draftsmith.runtime.loading import (
     eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_drafter, validation_max_len, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
@@ -41,19 +40,6 @@ def validation_is_current(recipe: Recipe) -> bool:
 
 
 LENGTH_BUCKETS = (128, 512, 2048, 8192, 32768)  # input-length and position buckets (tokens) of the low-batch screen
-
-
-def acceptance_stats(accept_lengths: list[int], depth: int) -> dict:
-    """tau includes the bonus token; alpha_d is conditional: P(accept >= d | accept >= d-1)."""
-    counts = Counter(accept_lengths)
-    rounds = max(len(accept_lengths), 1)
-    alpha = []
-    for d in range(1, depth + 1):
-        reached = sum(c for k, c in counts.items() if k >= d - 1)
-        passed = sum(c for k, c in counts.items() if k >= d)
-        alpha.append(passed / reached if reached else 0.0)
-    return {"tau": sum(a + 1 for a in accept_lengths) / rounds, "num_rounds": len(accept_lengths),
-            "acceptance_per_depth": alpha, "accept_length_histogram": {str(k): counts.get(k, 0) for k in range(depth + 1)}}
 
 
 def run_validate(recipe: Recipe | None, head: str | None = None, target: str | None = None, out: str | None = None) -> dict:
@@ -224,7 +210,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     speculative_generate(runner, drafter, prompts[0], 8, greedy, eos)
     plain_s = spec_s = hf_s = 0.0
     plain_tokens = spec_tokens = hf_tokens = 0
-    accept, exact, mismatches, per_prompt, timings = [], 0, [], [], []
+    accept, exact, mismatches, per_prompt, timings, digests = [], 0, [], [], [], []
     exact_generate, mismatches_generate = 0, []
     bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=not is_first_rank())
     for i, prompt in enumerate(bar):
@@ -236,6 +222,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
         plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(reference)
         accept += spec.accept_lengths
         per_prompt.append(spec.accept_lengths)
+        digests.append(output_digest(spec.tokens))
         timings.append((len(base.tokens), base.seconds, len(spec.tokens), spec.seconds, len(reference), seconds))
         if base.tokens == spec.tokens:
             exact += 1
@@ -253,7 +240,7 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     result = {**stats, "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
               "exact_match": exact == len(prompts), "num_exact": exact, "mismatched_prompts": mismatches,
               "exact_vs_generate": exact_generate == len(prompts), "num_exact_vs_generate": exact_generate,
-              "mismatched_prompts_vs_generate": mismatches_generate,
+              "mismatched_prompts_vs_generate": mismatches_generate, "output_sha256": digests,
               "plain_tokens_per_s": plain_tokens / plain_s, "spec_tokens_per_s": spec_tokens / spec_s,
               "hf_generate_tokens_per_s": hf_tokens / hf_s, "draft_to_target_cost_c": c,
               "expected_walltime_factor": stats["tau"] / (cfg.depth * c + 1)}

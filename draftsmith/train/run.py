@@ -107,6 +107,7 @@ def build_trainer(recipe: Recipe, accelerator=None) -> Trainer:
     if recipe.head.init_from:
         d2t, t2d = _init_from(head, recipe.head.init_from, target_config, d2t, t2d)
         vocab_report = {**vocab_report, "from": recipe.head.init_from}
+    head.lm_head_from_target = recipe.head.lm_head_init == "target" and not recipe.head.init_from
     head.load_target_weights(embed, lm_head)
     return _assemble(recipe, head, source, completer, lm_head, accelerator, d2t, vocab_report, t2d)
 

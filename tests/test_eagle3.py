@@ -180,3 +180,20 @@ def test_head_config_from_targets_that_name_sizes_otherwise(model_type, extra):
     assert cfg["hidden_act"] == "silu" and cfg["draftsmith"]["target_model_type"] == model_type
     head = Eagle3Head(cfg)
     assert head.midlayer.self_attn.q_proj.weight.shape[0] == 4 * cfg["head_dim"]
+
+
+def test_lm_head_can_start_from_the_targets_rows_of_the_draft_vocabulary():
+    """head.lm_head_init: target: draft row i is the target's row d2t-mapped from i; random leaves it untouched."""
+    tc = LlamaConfig(vocab_size=40, hidden_size=16, num_attention_heads=2, num_hidden_layers=5, intermediate_size=32)
+    target_ids = torch.tensor([3, 7, 8, 20, 39])
+    d2t, t2d = target_ids - torch.arange(5), torch.zeros(40, dtype=torch.bool)
+    t2d[target_ids] = True
+    embed, lm_head = torch.randn(40, 16), torch.randn(40, 16)
+    for from_target in (True, False):
+        torch.manual_seed(0)
+        head = Eagle3Head.from_target(tc, HeadConfig(draft_vocab_size=5), [2, 3, 4])
+        head.set_vocab(d2t, t2d)
+        head.lm_head_from_target = from_target
+        head.load_target_weights(embed, lm_head)
+        assert torch.equal(head.lm_head.weight, lm_head[target_ids]) == from_target
+        assert torch.equal(head.embed_tokens.weight, embed)

@@ -96,10 +96,95 @@ def cli_reference() -> str:
     return "\n".join(lines)
 
 
+def _head_rows(section: dict) -> dict:
+    """The entries of a bench section that are measured heads (they have a tau)."""
+    return {name: row for name, row in section.items() if isinstance(row, dict) and "tau" in row}
+
+
+def _plot_section(name: str, rows: dict, out: Path) -> str:
+    """Acceptance by depth and tau of each head of a section, one PNG; its file name."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for head, row in rows.items():
+        alphas = row.get("acceptance_per_depth") or []
+        left.plot(range(1, len(alphas) + 1), alphas, marker="o", label=head)
+    left.set(title="acceptance by depth", xlabel="depth", ylabel="conditional acceptance", ylim=(0, 1.02))
+    left.legend(fontsize=7)
+    right.barh(list(rows), [row["tau"] for row in rows.values()])
+    right.set(title="tau (tokens per target forward)")
+    fig.tight_layout()
+    file = f"{name}.png"
+    fig.savefig(out / file, dpi=80)
+    plt.close(fig)
+    return file
+
+
+def _economics_section(name: str, section: dict, measured: dict, out: Path) -> list[str]:
+    """Speedup over plain decoding by batch size, each drafter at its best K there; the crossover."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    lines = [f"## {name}", "", f"Measured {measured.get(name, '')}. Speedup over plain decoding at each batch size, "
+             "each drafter at its best K there.", "", "| drafter | crossover batch size | speedup by batch size |", "|---|---|---|"]
+    for drafter, row in section.items():
+        speedups = {int(b): v for b, v in row["speedup_by_batch_size"].items()}
+        ax.plot(list(speedups), list(speedups.values()), marker="o", label=drafter)
+        lines.append(f"| {drafter} | {row.get('crossover_batch_size') or 'none'} | "
+                     + ", ".join(f"{b}: {v:.2f}x" for b, v in speedups.items()) + " |")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="batch size", ylabel="speedup vs plain")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=80)
+    plt.close(fig)
+    return lines + ["", f"![{name}](benchmarks/{name}.png)", ""]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return format(value, fmt) if isinstance(value, (int, float)) else str(value if value is not None else "")
+
+
+def benchmarks_page(root: Path, out: Path) -> str:
+    """docs/benchmarks.md from BENCHMARKS.json: per section of measured heads a table and a plot; BENCHMARKS.md
+    (written by `make bench`) keeps the full text."""
+    import json
+    bench = json.loads((root / "BENCHMARKS.json").read_text())
+    measured = bench.get("measured", {})
+    lines = ["# Benchmarks", "", f"Rendered from `BENCHMARKS.json` at every docs build. `make bench` measures and writes "
+             f"it, with the full tables and notes in `BENCHMARKS.md` at the repository root. Latest run: {bench.get('date')} on {bench.get('machine')}; recipe `{bench.get('recipe')}`.", "",
+             "CPU figures depend on the CPU: the embedded target trains differently under different kernels, so each "
+             "section names the machine that measured it.", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    for name, section in bench.items():
+        if isinstance(section, dict) and any(isinstance(r, dict) and "speedup_by_batch_size" in r for r in section.values()):
+            lines += _economics_section(name, section, measured, out)
+            continue
+        rows = _head_rows(section) if isinstance(section, dict) else {}
+        if not rows or name == "runtime":
+            continue
+        when = measured.get(name) if isinstance(measured.get(name), str) else f"{bench.get('date')}, {bench.get('machine')}"
+        lines += [f"## {name}", "", f"Measured {when}.", "",
+                  "| head | tau | speedup vs plain | exact | train steps | train s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {head} | {_cell(row, 'tau', '.2f')} | {_cell(row, 'speedup_vs_plain', '.2f')} | "
+                  f"{row.get('exact', row.get('num_exact', ''))} | {_cell(row, 'train_steps', 'd')} | "
+                  f"{_cell(row, 'train_seconds', '.0f')} |" for head, row in rows.items()]
+        lines += ["", f"![{name}](benchmarks/{_plot_section(name, rows, out)})", ""]
+    return "\n".join(lines)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:  # unchanged files are left alone (no rebuild loop)
+        path.write_text(text)
+
+
 def on_pre_build(config, **kwargs) -> None:
-    out = Path(config["docs_dir"]) / "reference"
+    docs = Path(config["docs_dir"])
+    out = docs / "reference"
     out.mkdir(exist_ok=True)
     for name, text in (("recipe.md", recipe_reference()), ("cli.md", cli_reference())):
-        path = out / name
-        if not path.exists() or path.read_text() != text:  # unchanged files are left alone (no rebuild loop)
-            path.write_text(text)
+        _write_if_changed(out / name, text)
+    _write_if_changed(docs / "benchmarks.md", benchmarks_page(docs.resolve().parent, docs / "benchmarks"))

@@ -52,3 +52,33 @@ def test_cli_reference_lists_every_stage():
     text = _hooks().cli_reference()
     assert all(f"## draftsmith {stage}" in text for stage in STAGES)
     assert "--gpu-memory-gb" in text and "--allow-unvalidated" in text
+
+
+def test_every_head_kind_engine_and_stage_has_its_page_in_the_site():
+    from draftsmith.cli import STAGES
+    from draftsmith.heads.registry import known_kinds
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [f"heads/{kind}.md" for kind in known_kinds()] + [f"stages/{stage}.md" for stage in STAGES
+                                                               if stage not in ("run", "init", "plan")]
+    pages += ["engines/vllm.md", "engines/sglang.md", "engines/speculators.md", "troubleshooting.md", "quickstart.md",
+              "guides/reasoning.md", "guides/server.md", "guides/choosing-a-head.md"]
+    for page in pages:
+        assert (ROOT / "docs" / page).exists() and page in nav, page
+    troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
+    for code in ("template", "layer_ids", "rope", "vocab", "dtype", "target"):  # every mismatch check looks for
+        assert f"`{code}`" in troubleshooting
+
+
+def test_benchmarks_page_renders_every_measured_head_with_a_plot(tmp_path):
+    import json
+    bench = {"date": "2026-12-07", "machine": "a CPU", "recipe": "r.yaml", "measured": {"kinds": "2026-12-07, a CPU"},
+             "kinds": {"eagle3": {"tau": 3.25, "speedup_vs_plain": 1.5, "exact": "4/4", "acceptance_per_depth": [0.8, 0.6]},
+                       "dflash": {"tau": 2.5, "speedup_vs_plain": 1.75, "exact": "4/4", "acceptance_per_depth": [0.7]}},
+             "kinds_economics": {"eagle3": {"speedup_by_batch_size": {"1": 1.5, "16": 0.9}, "crossover_batch_size": 16}},
+             "capture": {"full": {"tokens_per_s": 10.0}}}
+    (tmp_path / "BENCHMARKS.json").write_text(json.dumps(bench))
+    page = _hooks().benchmarks_page(tmp_path, tmp_path / "plots")
+    assert "| eagle3 | 3.25 | 1.50 | 4/4 |" in page and "| dflash | 2.50 | 1.75 | 4/4 |" in page
+    assert "Measured 2026-12-07, a CPU." in page and "| eagle3 | 16 | 1: 1.50x, 16: 0.90x |" in page
+    assert "## capture" not in page  # no head measured there
+    assert (tmp_path / "plots" / "kinds.png").stat().st_size > 1000 and (tmp_path / "plots" / "kinds_economics.png").exists()

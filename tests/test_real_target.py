@@ -121,3 +121,6 @@ def test_whole_pipeline_on_smollm2_is_exact_against_generate(gguf_cache, tmp_pat
     assert "converted from **HuggingFaceTB" in card and "vllm serve /" in card and ".gguf" in card
     data = json.loads((run_dir / "data" / "manifest.json").read_text())
     assert data["target_id"] == SMOLLM2 and data["regeneration"]["regenerated"] == 16
+    checked = subprocess.run([sys.executable, "-m", "draftsmith.cli", "check", str(run_dir / "export" / "vllm")], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert checked.returncode == 0 and "OK: no mismatch found" in checked.stdout, checked.stdout + checked.stderr[-3000:]

@@ -51,7 +51,7 @@ test-fast: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-bench: $(STAMP)
+bench: $(REAL_STAMP)
 	$(BIN)/python -m draftsmith.bench --recipe $(RECIPE) --out BENCHMARKS.md
 
 gpu-check: $(STAMP)

@@ -152,3 +152,17 @@ def test_a_job_in_a_fresh_process_runs_and_its_failure_is_raised(tmp_path):
     assert (tmp_path / "out").read_text() == "done"
     with pytest.raises(RuntimeError, match="_fails failed in its own process"):
         in_fresh_process(_fails)
+
+
+def test_real_target_section_renders_tau_per_domain_and_both_speedups():
+    from draftsmith.bench.real_target import REAL_RUNS, render_real_target
+    assert {"eagle3", "eagle3.1+lk", "dflash-b8+dv", "peagle", "eagle2", "medusa1", "mtp"} == set(REAL_RUNS)
+    row = {"train_steps": 40, "tau": 1.5, "acceptance_per_depth": [0.4, 0.25], "speedup_vs_plain": 1.1, "exact": "12/12",
+           "speedup_vs_hf_generate": 1.05, "exact_vs_generate": "12/12", "budget_seconds": 240.0,
+           "per_domain": {"humaneval": {"tau": 1.25}, "math": {"tau": 1.9}}}
+    lines = render_real_target({"date": "2026-12-07", "machine": "a CPU", "real_target": {"eagle3": row},
+                                "measured": {"real_target": "2026-12-07, a CPU, 2 threads"}})
+    table = "\n".join(lines)
+    assert "| head | steps | tau | tau humaneval | tau math |" in table
+    assert "| eagle3 | 40 | 1.50 | 1.25 | 1.90 | 0.40 0.25 | 1.10x | 1.05x | 12/12 |" in table
+    assert render_real_target({"date": "x", "machine": "y"}) == []

@@ -13,7 +13,8 @@
 7. economics across load (`draftsmith economics`); 8. batched against row-by-row drafting per round and batch size
 (drafting.py); 9. regeneration in process vs through a server (regen.py); 10. capture and decoding at
 tp 1 and tp 2 (parallel.py); 11. long samples (long_context.py); 12. validation on a windowed and a hybrid
-target (layer_types.py); 13. DFlash and EAGLE 3.1 + LK against EAGLE-3 at equal training wall-clock (heads.py).
+target (layer_types.py); 13. DFlash and EAGLE 3.1 + LK against EAGLE-3 at equal training wall-clock (heads.py);
+14. every head kind on the released SmolLM2-135M-Instruct (real_target.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from draftsmith.bench.layer_types import bench_layer_types, render_layer_types
 from draftsmith.bench.long_context import bench_long_context, measure_settings, render_long_context
 from draftsmith.bench.parallel import bench_parallel, render_parallel
 from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
+from draftsmith.bench.real_target import bench_real_target, render_real_target
 from draftsmith.bench.regen import bench_regen, render_regen
 
 
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads-seconds", type=float, default=240.0, help="training wall-clock per head kind")
     parser.add_argument("--budget-seconds", type=float, default=480.0,
                         help="section drafters_budget: training wall-clock of EAGLE-3, DFlash and DFlash + LK each")
+    parser.add_argument("--real-seconds", type=float, default=240.0,
+                        help="section real_target: training wall-clock of each head kind on SmolLM2-135M-Instruct")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset to re-measure; the others are kept from the existing .json")
     parser.add_argument("--long-context-settings", default=None,
@@ -83,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                "parallel": lambda: bench_parallel(args.recipe, args.overrides),
                "long_context": lambda: (measure_settings(args.long_context_settings.split(","), results.get("long_context"))
                                         if args.long_context_settings else bench_long_context()),
-               "layer_types": lambda: bench_layer_types(args.recipe, args.overrides)}
+               "layer_types": lambda: bench_layer_types(args.recipe, args.overrides),
+               "real_target": lambda: bench_real_target([o for o in args.overrides if o.startswith("out_dir=")],
+                                                        args.real_seconds)}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -98,16 +104,16 @@ def main(argv: list[str] | None = None) -> int:
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
             "long_context", "layer_types", "drafters", "drafters_economics", "drafters_budget",
-            "drafters_budget_economics", "drafters_qwen3"]
-STANDALONE = {"medusa", "mtp", "long_context"}  # sections measured on recipes of their own
-NO_DEMO_RUN = {"medusa", "long_context"}         # sections that need nothing of the demo recipe's run
+            "drafters_budget_economics", "drafters_qwen3", "real_target"]
+STANDALONE = {"medusa", "mtp", "long_context", "real_target"}  # sections measured on recipes of their own
+NO_DEMO_RUN = {"medusa", "long_context", "real_target"}        # sections that need nothing of the demo recipe's run
 
 def render(r: dict) -> str:
     lines = ["# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
              f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
              "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
     return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
-                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + render_drafters(r) + _shortfalls(r))
+                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + render_drafters(r) + render_real_target(r) + _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:

@@ -132,8 +132,10 @@ MTP_RUNS = {  # MTP post hoc: DeepSeek's one-step objective and the recursive de
 }
 
 
-def bench_heads(data_recipe, overrides: list[str], seconds: float, runs: dict = HEAD_RUNS, prefix: str = "bench-heads") -> dict:
-    """Each head kind trained for the same wall-clock on the demo's data, then validated (run dirs `{prefix}-{name}`)."""
+def bench_heads(data_recipe, overrides: list[str], seconds: float, runs: dict = HEAD_RUNS, prefix: str = "bench-heads",
+                side_by_side_repeats: int = 5) -> dict:
+    """Each head kind trained for the same wall-clock on the demo's data, then validated (run dirs `{prefix}-{name}`);
+    then, with `side_by_side_repeats`, their speedups measured side by side."""
     import shutil
     from draftsmith import artifacts
     from draftsmith.data.capture import run_capture
@@ -165,8 +167,8 @@ def bench_heads(data_recipe, overrides: list[str], seconds: float, runs: dict = 
                      "budget_seconds": seconds}
         trained[name] = recipe
         print(f"[bench] {name}: {out[name]}", flush=True)
-    if len(trained) > 1:
-        for name, row in side_by_side(trained).items():
+    if len(trained) > 1 and side_by_side_repeats:
+        for name, row in side_by_side(trained, side_by_side_repeats).items():
             out[name].update(speedup_side_by_side=row["speedup"], side_by_side_passes=row["passes"])
             print(f"[bench] {name} side by side: {row}", flush=True)
     return out

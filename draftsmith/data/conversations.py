@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.data import images
+
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "chatgpt": "assistant", "bing": "assistant", "model": "assistant",
                 "system": "system", "tool": "tool"}
@@ -43,18 +45,25 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")   # what dataset
 KEPT_KEYS = ("tool_calls", "tool_call_id", "name")                # what templates read besides role and content
 
 
-def normalize(record: dict, where: str, fmt: str = "auto") -> dict:
-    """One record in any supported form -> {"id", "messages"} or {"id", "text"}."""
+def normalize(record: dict, where: str, fmt: str = "auto", base_dir: Path | None = None) -> dict:
+    """One record in any supported form -> {"id", "messages"} or {"id", "text"}. Images (content parts, LLaVA's
+    `<image>` markers) become OpenAI image parts, relative paths read from `base_dir` (data/images.py)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if fmt != "auto" and FORMAT_KEYS[fmt] not in record:
         raise DataError(f"{where}: format {fmt!r} expects a {FORMAT_KEYS[fmt]!r} key (found {sorted(record)})")
     rid = str(record.get("id", where))
     domain = {"domain": record["domain"]} if isinstance(record.get("domain"), str) else {}
-    return _turns_of(record, where, rid) | domain
+    try:
+        item = _turns_of(record, where, rid, base_dir)
+        if "messages" in item and (record.get("image") or record.get("images")):
+            item["messages"] = images.llava_turns(record, item["messages"], where, base_dir)
+    except images.ImageError as exc:
+        raise DataError(str(exc)) from None
+    return item | domain
 
 
-def _turns_of(record: dict, where: str, rid: str) -> dict:
+def _turns_of(record: dict, where: str, rid: str, base_dir: Path | None = None) -> dict:
     if "text" in record and isinstance(record["text"], str) and "messages" not in record:
         return {"id": rid, "text": record["text"]}
     if "messages" not in record and "conversations" not in record and ("prompt" in record or "instruction" in record):
@@ -67,7 +76,7 @@ def _turns_of(record: dict, where: str, rid: str) -> dict:
         role_key, content_key = ("from", "value") if "from" in first else ("role", "content")
     else:
         raise DataError(f"{where}: no 'messages', 'conversations', 'prompt', 'instruction' or 'text' key (found {sorted(record)})")
-    return {"id": rid, "messages": [_turn(turn, i, where, role_key, content_key) for i, turn in enumerate(turns)]}
+    return {"id": rid, "messages": [_turn(turn, i, where, role_key, content_key, base_dir) for i, turn in enumerate(turns)]}
 
 
 def _prompt_turns(record: dict, where: str) -> list[dict]:
@@ -94,14 +103,20 @@ def to_answer(messages: list[dict]) -> list[dict]:
     return messages + [{"role": "assistant", "content": ""}] if messages and messages[-1]["role"] == "user" else messages
 
 
-def _turn(turn, i: int, where: str, role_key: str, content_key: str) -> dict:
-    """One turn: role, content, and the fields chat templates read (reasoning, tool calls, ids, names)."""
+def _turn(turn, i: int, where: str, role_key: str, content_key: str, base_dir: Path | None = None) -> dict:
+    """One turn: role, content (a string, or text and image parts), and the fields chat templates read
+    (reasoning, tool calls, ids, names)."""
     role = ROLE_ALIASES.get(str(turn.get(role_key, "")).lower()) if isinstance(turn, dict) else None
     content = turn.get(content_key) if isinstance(turn, dict) else None
     if content is None and role == "assistant" and turn.get("tool_calls"):  # role set: turn is a dict
         content = ""  # a turn that only calls tools
-    if role is None or not isinstance(content, str):
-        raise DataError(f"{where}: turn {i} needs '{role_key}' (user/assistant/system/tool) and a string '{content_key}'")
+    if isinstance(content, list) and role is not None:
+        content = images.parts_of(content, f"{where} turn {i}", base_dir)
+        if not any(part["type"] == "image" for part in content):  # text parts only: one string, as templates expect
+            content = images.text_of(content)
+    if role is None or not isinstance(content, (str, list)):
+        raise DataError(f"{where}: turn {i} needs '{role_key}' (user/assistant/system/tool) and a string '{content_key}' "
+                        "(or a list of text and image parts)")
     message = {"role": role, "content": content}
     reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k]), None)
     if reasoning is not None:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from draftsmith import artifacts
 from draftsmith.data import conversations as conv
+from draftsmith.data import images
 from draftsmith.recipe import Recipe
 from draftsmith.targets import stdlib
 
@@ -41,14 +42,20 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False) ->
         raise ValueError(f"data.builtin={cfg.builtin!r}: the only builtin set is 'stdlib'")
     for index, source in enumerate(cfg.sources):
         records = conv.read_records(source.path, cfg.bad_lines, skips, source)
+        base_dir = Path(source.path).parent if Path(source.path).suffix in (".jsonl", ".json") else None
         for where, record in itertools.islice(records, source.max_records):
             num_read += 1
             try:
-                item = conv.normalize(record, where, source.format)
-            except conv.DataError:
-                if cfg.bad_lines == "fail":
+                item = conv.normalize(record, where, source.format, base_dir)
+                if "messages" in item and images.has_images(item["messages"]):
+                    images.check_images(item["messages"], where)  # read once: a bad image is a bad record
+                    _refuse_images(recipe, where)
+            except (conv.DataError, images.ImageError) as exc:
+                if isinstance(exc, ImagesNeedATarget):
                     raise
-                skips.skip("bad_record", where)
+                if cfg.bad_lines == "fail":
+                    raise conv.DataError(str(exc)) from None
+                skips.skip("bad_image" if isinstance(exc, images.ImageError) else "bad_record", where)
                 continue
             unanswered = "messages" in item and not any(m["role"] == "assistant" for m in item["messages"])
             if unanswered and not answering:
@@ -133,6 +140,18 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
 def _sources(recipe: Recipe) -> str:
     named = [f"data.sources[{i}].path={s.path!r}" for i, s in enumerate(recipe.data.sources)]
     return ", ".join(named + ([f"data.builtin={recipe.data.builtin!r}"] if recipe.data.builtin else [])) or "no data.sources"
+
+
+class ImagesNeedATarget(conv.DataError):
+    """Image conversations for a target that cannot read them."""
+
+
+def _refuse_images(recipe: Recipe, where: str) -> None:
+    """Image conversations are read and checked; tokenizing them needs an image-text target's processor, which
+    the pipeline does not run yet (issue #52): say so rather than drop the images."""
+    raise ImagesNeedATarget(f"{where}: the conversation holds images; target {recipe.target.model!r} is trained on "
+                            "text here: image-text targets (AutoModelForImageTextToText with its processor) are not yet "
+                            "supported by the data, capture and training stages (issue #52); remove the image parts")
 
 
 def _refuse_empty(recipe: Recipe, what: str, count: int, num_read: int, skips: conv.SkipCounter) -> None:

@@ -51,10 +51,11 @@ class TargetFacts:
 
 
 def _empty_model(config):
-    """The architecture on the meta device: shapes only (a fused expert tensor of DeepSeek-V3 alone is 30 GB)."""
-    from transformers import AutoModelForCausalLM
+    """The architecture on the meta device: shapes only (a fused expert tensor of DeepSeek-V3 alone is 30 GB); an
+    image-text target with its vision tower."""
+    from draftsmith.targets.loading import model_class
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return model_class(config).from_config(config)
 
 
 def target_facts(config, name: str = "") -> TargetFacts:

@@ -130,6 +130,14 @@ def load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
+def model_class(config):
+    """The auto class a target loads with: `AutoModelForImageTextToText` for an image-text model (a config with a
+    vision tower: Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA), so that its weights, vision tower included, load as
+    published; `AutoModelForCausalLM` otherwise. Heads read the language model's decoder layers either way."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 def load_target(recipe: Recipe, device: torch.device | None = None, layout=None, stage: str = "validate"):
     """Any AutoModelForCausalLM, frozen, in eval mode, with the model's own default attention (SDPA where it
     has it, eager for models such as gpt-oss and Gemma 2 that implement sinks or soft-capping there), or
@@ -138,20 +146,20 @@ def load_target(recipe: Recipe, device: torch.device | None = None, layout=None,
     rank reading only its shard; the layout is checked against the config first (and, by the stage,
     against the device's memory: plan.check_before_loading), so a layout that cannot work fails before
     any weight is read."""
-    from transformers import AutoModelForCausalLM
     from draftsmith.targets import parallel
     check_model_path(recipe.target.model)
     device = device or pick_device()
     dtype = resolve_dtype(recipe.target.dtype, device)
     source = local_model(recipe.target.model, recipe.target.dtype)
+    auto = model_class(target_config(source))
     if layout is None or not layout.sharded:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation)
+        model = auto.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation)
         model.requires_grad_(False)
         return model.eval().to(device)
     parallel.check_config(layout, target_config(recipe.target.model))
     parallel.init_process_group()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation,
-                                                 distributed_config=layout.distributed_config())
+    model = auto.from_pretrained(source, dtype=dtype, attn_implementation=recipe.target.attn_implementation,
+                                 distributed_config=layout.distributed_config())
     model.requires_grad_(False)
     return model.eval()
 
@@ -160,10 +168,9 @@ def _empty_target(model_dir: str):
     """(config, the architecture with parameters on the meta device and buffers such as rotary
     tables real): parameter names and module layout without reading any weight."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
     config = target_config(model_dir)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     return config, model
 
 
@@ -197,8 +204,7 @@ def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     config, model = _empty_target(model_dir)
     embed, head = _weight_name(model, model.get_input_embeddings()), _weight_name(model, model.get_output_embeddings())
     if embed not in _names_on_disk(model_dir):  # renamed while loading (Nemotron-H's backbone.): transformers' own load
-        from transformers import AutoModelForCausalLM
-        whole = AutoModelForCausalLM.from_pretrained(model_dir)
+        whole = model_class(target_config(model_dir)).from_pretrained(model_dir)
         return whole.get_input_embeddings().weight.detach(), whole.get_output_embeddings().weight.detach()
     found = _read_weights(model_dir, {embed, head}, "needed for the head's embedding and teacher",
                           optional={head} if _tied(config) else set())

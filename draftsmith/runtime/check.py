@@ -45,9 +45,18 @@ def record(meta: dict, engine: str, validation: dict | None, head_path: Path, de
             "target_id": meta.get("target_id"), "served_target": meta.get("served_target"),
             "target_fingerprint": data.get("target_fingerprint"), "template_hash": data.get("template_hash"),
             "layer_ids": meta.get("layer_ids"), "checkpoint": str(head_path.resolve()), "checkpoint_sha256": meta.get("sha256"),
-            "recipe": recipe_mod.dump(recipe_mod.loads(json.dumps(meta["recipe"]))) if meta.get("recipe") else None,
+            "recipe": _recipe_text(meta.get("recipe")),
             "validation": {k: validation[k] for k in keep if k in validation} | {
                 "per_domain_tau": {d: s["tau"] for d, s in validation.get("per_domain", {}).items()}} if validation else None}
+
+
+def _recipe_text(recipe: dict | None) -> str | None:
+    """The checkpoint's resolved recipe as YAML; None where it no longer loads (a checkpoint older than a key's
+    removal: `check` then asks for --recipe)."""
+    try:
+        return recipe_mod.dump(recipe_mod.loads(json.dumps(recipe))) if recipe else None
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------- reading the export as the engine does

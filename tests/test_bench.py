@@ -166,3 +166,14 @@ def test_real_target_section_renders_tau_per_domain_and_both_speedups():
     assert "| head | steps | tau | tau humaneval | tau math |" in table
     assert "| eagle3 | 40 | 1.50 | 1.25 | 1.90 | 0.40 0.25 | 1.10x | 1.05x | 12/12 |" in table
     assert render_real_target({"date": "x", "machine": "y"}) == []
+
+
+def test_real_kinds_remeasure_some_rows_and_keep_the_others_in_order():
+    from draftsmith.bench.__main__ import _kinds
+    from draftsmith.bench.real_target import merge_rows
+    kept = {"mtp": {"tau": 1.3}, "eagle3": {"tau": 1.2}, "eagle2": {"tau": 1.0}}
+    merged = merge_rows(kept, {"eagle2": {"tau": 1.4}})
+    assert list(merged) == ["eagle3", "eagle2", "mtp"] and merged["eagle2"]["tau"] == 1.4 and merged["mtp"]["tau"] == 1.3
+    assert list(_kinds("mtp,eagle2")) == ["mtp", "eagle2"]
+    with pytest.raises(SystemExit, match="unknown.*'eagle9'"):
+        _kinds("eagle9")

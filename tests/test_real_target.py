@@ -47,7 +47,7 @@ def test_gguf_target_equals_transformers_gguf_load(gguf_cache, tmp_path):
     config `plan` reads and the converted config agree; the conversion is made once and reused."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from draftsmith.targets import gguf
-    from draftsmith.targets.loading import load_target, load_tokenizer, local_model, target_config
+    from draftsmith.targets.loading import load_target, load_target_embeddings, load_tokenizer, local_model, target_config
     recipe = _recipe(tmp_path)
     ours, tokenizer = load_target(recipe, torch.device("cpu")), load_tokenizer(recipe)
     directory, name = gguf.location(SMOLLM2)
@@ -61,6 +61,8 @@ def test_gguf_target_equals_transformers_gguf_load(gguf_cache, tmp_path):
     planned, converted = target_config(SMOLLM2), target_config(local_model(SMOLLM2))
     assert (planned.num_hidden_layers, planned.hidden_size, planned.vocab_size) == (30, 576, 49152)
     assert converted.num_hidden_layers == 30 and converted.architectures == ["LlamaForCausalLM"]
+    embed, lm_head = load_target_embeddings(SMOLLM2)  # the offline trainer's path: the GGUF reference itself
+    assert torch.equal(embed, theirs.get_input_embeddings().weight) and torch.equal(lm_head, theirs.lm_head.weight)
     made = sorted(p.name for p in (gguf_cache / "gguf").iterdir())
     assert len(made) == 1 and local_model(SMOLLM2) == str(gguf_cache / "gguf" / made[0])
     meta = gguf.metadata(SMOLLM2)

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="section drafters_budget: training wall-clock of EAGLE-3, DFlash and DFlash + LK each")
     parser.add_argument("--real-seconds", type=float, default=240.0,
                         help="section real_target: training wall-clock of each head kind on SmolLM2-135M-Instruct")
+    parser.add_argument("--real-kinds", default=None,
+                        help="with --sections real_target: re-measure only these kinds (comma-separated, e.g. "
+                             "eagle2,mtp) and keep the section's other rows")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset to re-measure; the others are kept from the existing .json")
     parser.add_argument("--long-context-settings", default=None,
@@ -88,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                "long_context": lambda: (measure_settings(args.long_context_settings.split(","), results.get("long_context"))
                                         if args.long_context_settings else bench_long_context()),
                "layer_types": lambda: bench_layer_types(args.recipe, args.overrides),
-               "real_target": lambda: bench_real_target([o for o in args.overrides if o.startswith("out_dir=")],
-                                                        args.real_seconds)}
+               "real_target": lambda: bench_real_target(
+                   [o for o in args.overrides if o.startswith("out_dir=")], args.real_seconds,
+                   *((_kinds(args.real_kinds), results.get("real_target")) if args.real_kinds else ()))}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -100,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(render(results))
     print(render(results))
     return 0
+
+
+def _kinds(names: str) -> dict:
+    from draftsmith.bench.real_target import REAL_RUNS
+    unknown = sorted(set(names.split(",")) - set(REAL_RUNS))
+    if unknown:
+        raise SystemExit(f"--real-kinds: unknown {unknown}; expected some of {sorted(REAL_RUNS)}")
+    return {name: REAL_RUNS[name] for name in names.split(",")}
 
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",

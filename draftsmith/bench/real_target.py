@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 from draftsmith import recipe as recipe_mod
-from draftsmith.bench.common import cpu_of
 
 REAL_RECIPE = "recipes/smollm2-135m-instruct/eagle3.yaml"
 _OTHER_FEATURES = ["capture.layer_ids=null"]  # the kind's own default features (eagle3's ids are the recipe's)
@@ -29,8 +28,9 @@ REAL_RUNS = {  # name -> (recipe, overrides); each kind with its published shape
 VALIDATE = ["validate.num_prompts=12", "validate.max_new_tokens=64"]  # 4 prompts per domain
 
 
-def bench_real_target(overrides: list[str], seconds: float, runs: dict = REAL_RUNS) -> dict:
-    """Each kind of `runs` trained `seconds` on the recipe's data (regenerated once, shared), then validated by domain."""
+def bench_real_target(overrides: list[str], seconds: float, runs: dict = REAL_RUNS, kept: dict | None = None) -> dict:
+    """Each kind of `runs` trained `seconds` on the recipe's data (regenerated once, shared), then validated by domain;
+    the rows of `kept` (an earlier measurement of the other kinds, `--real-kinds`) stay, in REAL_RUNS' order."""
     from draftsmith.bench.heads import bench_heads
     from draftsmith.stages import STAGE_FUNCS, is_current
     data_recipe = recipe_mod.load(REAL_RECIPE, overrides + ["name=bench-real-data"])
@@ -48,7 +48,13 @@ def bench_real_target(overrides: list[str], seconds: float, runs: dict = REAL_RU
                                                               "speedup_vs_hf_generate", "num_prompts") if k in stats}
                                for domain, stats in report.get("per_domain", {}).items()},
                    depth_choice=(report.get("depth_choice") or {}).get("best_depth"))
-    return rows
+    return merge_rows(kept, rows)
+
+
+def merge_rows(kept: dict | None, rows: dict) -> dict:
+    """The rows just measured over the kept ones, in REAL_RUNS' order."""
+    merged = {**(kept or {}), **rows}
+    return {name: merged[name] for name in REAL_RUNS if name in merged}
 
 
 def render_real_target(r: dict) -> list[str]:
@@ -58,7 +64,7 @@ def render_real_target(r: dict) -> list[str]:
     measured = (r.get("measured") or {}).get("real_target", "")
     domains = sorted({d for row in rows.values() for d in row.get("per_domain", {})})
     lines = ["## A released model: SmolLM2-135M-Instruct (issue #51)", "",
-             f"Measured {measured or r['date']} ({cpu_of(measured) or r['machine']}). Every kind trained "
+             f"Measured {measured or r['date'] + ', ' + r['machine']}. Every kind trained "
              f"{next(iter(rows.values()))['budget_seconds']:.0f} s on the data of `{REAL_RECIPE}` (the target's own answers "
              "to 500 builtin code, math and chat prompts), validated on 4 prompts per domain, 64 new tokens, a chain of 2. "
              "tau per domain; speedups over plain decoding in draftsmith's runtime and over HF `generate`.", "",

@@ -123,11 +123,40 @@ def check_hub_model(model: str, key: str = "target.model") -> None:
 def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
     check_model_path(recipe.target.model)
-    tokenizer = AutoTokenizer.from_pretrained(local_model(recipe.target.model, recipe.target.dtype))
+    source = local_model(recipe.target.model, recipe.target.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    # an image-text target's processor expands each image into its image tokens; it travels with the tokenizer,
+    # and its chat template (which renders image parts) is the target's when the tokenizer has none
+    tokenizer.draftsmith_processor = load_processor(source)
+    if tokenizer.draftsmith_processor is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = tokenizer.draftsmith_processor.chat_template
     if recipe.target.chat_template:
         tokenizer.chat_template = recipe.target.chat_template
     tokenizer.draftsmith_template_kwargs = dict(recipe.data.chat_template_kwargs)
     return tokenizer
+
+
+def is_image_text(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(model: str):
+    """An image-text target's own `AutoProcessor` (image processor and tokenizer), with the id of the token the model
+    puts image features on (its config's, which a processor's `image_token_id` is not always: Gemma 3's names the
+    begin-of-image marker); None for a text target."""
+    config = None if gguf.is_gguf(model) else target_config(model)
+    if config is None or not is_image_text(config):
+        return None
+    from transformers import AutoProcessor
+    try:
+        processor = AutoProcessor.from_pretrained(model)
+        processor.draftsmith_image_token_id = next(
+            (v for v in (getattr(config, k, None) for k in ("image_token_id", "image_token_index")) if v is not None), None)
+        return processor
+    except (ImportError, AttributeError, OSError, ValueError) as exc:  # e.g. a video processor that needs torchvision
+        raise ValueError(f"target.model={model!r} is an image-text model, and its processor does not load here "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); install what it names (Qwen2.5-VL and Qwen3-VL "
+                         "processors need torchvision)") from None
 
 
 def model_class(config):
@@ -135,7 +164,7 @@ def model_class(config):
     vision tower: Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA), so that its weights, vision tower included, load as
     published; `AutoModelForCausalLM` otherwise. Heads read the language model's decoder layers either way."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
 
 
 def load_target(recipe: Recipe, device: torch.device | None = None, layout=None, stage: str = "validate"):
@@ -197,10 +226,11 @@ def _tied(config) -> bool:
     return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
-def load_target_embeddings(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+def load_target_embeddings(model: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding, lm_head) weights alone, read from the weight files without loading the model.
     Names come from the architecture itself, so this works for any causal LM with safetensors
-    weights; a tied head returns the embedding twice."""
+    weights (a GGUF target: its dequantized copy); a tied head returns the embedding twice."""
+    model_dir = local_model(model)
     config, model = _empty_target(model_dir)
     embed, head = _weight_name(model, model.get_input_embeddings()), _weight_name(model, model.get_output_embeddings())
     if embed not in _names_on_disk(model_dir):  # renamed while loading (Nemotron-H's backbone.): transformers' own load

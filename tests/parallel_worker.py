@@ -26,7 +26,7 @@ def main(out: str, recipe_path: str, *overrides: str) -> None:
     recipe = recipe_mod.load(recipe_path, list(overrides))
     cfg = recipe.validate
     model, tokenizer, head, _, _ = load_target_and_head(recipe, None)
-    prompts = [p for p, _ in validation_prompts(recipe, tokenizer, cfg.num_prompts)]
+    prompts = [p for p, _, _ in validation_prompts(recipe, tokenizer, cfg.num_prompts)]
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + 8
     layer_ids = head.config.get("draftsmith", {}).get("layer_ids", [])
     runner = TargetRunner(model, max_len, layer_ids, compile_mode=None)

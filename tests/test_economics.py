@@ -436,7 +436,7 @@ def test_validate_several_prompt_sets_report_each_domain(tmp_path, micro_pipelin
     sets = f'validate.prompts=[{{path: {path}}}, {{path: "builtin:math"}}, {{path: "builtin:chat", domain: talk}}]'
     r = micro_recipe(recipe.out_dir, recipe.target.model, sets, "validate.num_prompts=6", "validate.max_new_tokens=8")
     chosen = validation_prompts(r, load_tokenizer(r), 4)
-    assert [d for _, d in chosen] == ["questions", "math", "talk", "questions"]
+    assert [d for _, d, _ in chosen] == ["questions", "math", "talk", "questions"]
     assert run_validate(r, out=str(tmp_path / "v"))["exact_match"]
     result = json.loads((tmp_path / "v" / "validation.json").read_text())
     assert {d: s["num_prompts"] for d, s in result["per_domain"].items()} == {"questions": 2, "math": 2, "talk": 2}

@@ -83,5 +83,5 @@ def test_data_stage_skips_bad_images_and_says_what_image_conversations_need(tmp_
         collect(strict, SkipCounter())
     path.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": good.name}]},
                                              {"role": "assistant", "content": "ok"}]}) + "\n")
-    with pytest.raises(DataError, match="holds images.*image-text targets"):
+    with pytest.raises(DataError, match="holds images.*reads text only.*image-text model"):
         collect(recipe, SkipCounter())

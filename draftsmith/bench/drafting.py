@@ -85,7 +85,7 @@ def bench_drafting(recipe, sizes=SIZES, k: int = 4, num_rounds: int = 6, row_by_
     from draftsmith.runtime.loading import validation_prompts
     from draftsmith.targets.loading import load_target, load_tokenizer
     model, tokenizer = load_target(recipe), load_tokenizer(recipe)
-    prompts = [p.to(model.device) for p, _ in validation_prompts(recipe, tokenizer, max(sizes))]
+    prompts = [p.to(model.device) for p, _, _ in validation_prompts(recipe, tokenizer, max(sizes))]
     prompts = [prompts[i % len(prompts)] for i in range(max(sizes))]
     max_len = max(len(p) for p in prompts) + (num_rounds + 2) * (k + 1) + k + 2
     out = {"k": k, "num_rounds": num_rounds, "sizes": list(sizes), "drafters": {}}

@@ -189,7 +189,7 @@ def side_by_side(recipes: dict, repeats: int = 5) -> dict:
     for name, recipe in recipes.items():
         cfg = recipe.validate
         model, tokenizer, head, _, _ = load_target_and_head(recipe, None)
-        prompts = [p.to(model.device) for p, _ in validation_prompts(recipe, tokenizer, cfg.num_prompts)]
+        prompts = [p.to(model.device) for p, _, _ in validation_prompts(recipe, tokenizer, cfg.num_prompts)]
         max_len = validation_max_len(recipe, prompts)
         runner = TargetRunner(model, max_len, head.config.get("draftsmith", {}).get("layer_ids", []))
         drafter = validation_drafter(recipe, head, max_len, model.device)

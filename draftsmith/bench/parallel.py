@@ -42,7 +42,7 @@ def _decode_tokens_per_s(recipe, model, draft_head, tokenizer) -> dict:
     from draftsmith.runtime.loading import eos_ids, validation_prompts
     from draftsmith.runtime.verify import SamplingConfig
     cfg = recipe.validate
-    prompts = [p for p, _ in validation_prompts(recipe, tokenizer, 8)]
+    prompts = [p for p, _, _ in validation_prompts(recipe, tokenizer, 8)]
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.num_nodes + 8
     runner = TargetRunner(model, max_len, draft_head.config.get("draftsmith", {}).get("layer_ids", []), compile_mode=None)
     drafter = head_spec(draft_head.kind).drafter(draft_head, max_len, TreeConfig(cfg.depth, cfg.top_k, cfg.num_nodes))

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftsmith import artifacts
+from draftsmith.data import images
 from draftsmith.data.records import COMPRESSED, STORE_DTYPES, concat_shard, encode, encode_record, needed_length, sample_record
 from draftsmith.recipe import Recipe
 from draftsmith.targets.features import CONVENTION, FeatureExtractor, FeatureNeeds
@@ -43,12 +44,17 @@ def layer_ids_for(recipe: Recipe, num_layers: int, needs: FeatureNeeds) -> list[
     return list(ids)
 
 
-def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str) -> tuple[list[dict], int]:
+def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str, tokenizer=None) -> tuple[list[dict], int]:
     """Run one padded batch of data rows through the target; return (one record per row, real
-    tokens). The one code path shared by offline capture, online training and the benchmark."""
+    tokens). The one code path shared by offline capture, online training and the benchmark. Rows with
+    images (an image-text target's data) run with their pixel inputs from the target's processor, which
+    `tokenizer` carries (`load_tokenizer`)."""
     ids, attn = pad_batch(rows["input_ids"])
     device = next(extractor.model.parameters()).device
-    aux, final = extractor(ids.to(device), attn.to(device))
+    pixels = images.pixel_inputs(tokenizer, rows["images"], f"data rows {rows['id'][:3]}", ids) if "images" in rows else {}
+    dtype_of = extractor.model.dtype
+    aux, final = extractor(ids.to(device), attn.to(device), **{k: v.to(device, dtype_of if v.is_floating_point() else v.dtype)
+                                                               for k, v in pixels.items()})
     aux, final = (None if t is None else t.cpu() for t in (aux, final))  # records are host tensors (collate pads on host)
     if not extractor.layer_ids:  # heads fed the final hidden: it is their feature, and the teacher where a loss is
         aux, final = final, None
@@ -148,10 +154,13 @@ def capture_dir(recipe: Recipe) -> Path:
     return recipe.run_dir / "capture"
 
 
-def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: dict, needs: FeatureNeeds) -> CaptureSpec:
+def make_spec(recipe: Recipe, num_layers: int, hidden_size: int, data_manifest: dict, needs: FeatureNeeds,
+              with_images: bool = False) -> CaptureSpec:
     from draftsmith.targets.loading import target_fingerprint
     ids = layer_ids_for(recipe, num_layers, needs)
-    recompute = recipe.capture.recompute and len(ids) >= 2  # heads without several features store them all
+    # heads without several features store them all; so does image data (rebuilding the low feature at train time
+    # would need the images again: the stored features already hold what the vision tower gave the language model)
+    recompute = recipe.capture.recompute and len(ids) >= 2 and not with_images
     if recompute and ids != sorted(ids):
         raise ValueError(f"capture.recompute needs ascending capture.layer_ids (got {ids}): the lowest is rebuilt "
                          "from the embedding and the teacher from the highest; sort them or set capture.recompute: false")
@@ -181,12 +190,12 @@ def projected_bytes(dataset, spec: CaptureSpec, feature_ratio: float = 1.0) -> d
             "specforge_bytes": specforge, "ratio_vs_specforge": total / max(specforge, 1)}
 
 
-def feature_ratio(extractor, dataset, spec: CaptureSpec, num_samples: int = 32) -> float:
+def feature_ratio(extractor, dataset, spec: CaptureSpec, num_samples: int = 32, tokenizer=None) -> float:
     """Compressed / raw feature bytes over evenly spaced samples (nothing written)."""
     if spec.compression == "none":
         return 1.0
     step = max(1, len(dataset) // num_samples)
-    records, _ = batch_records(extractor, dataset[list(range(0, len(dataset), step))[:num_samples]], spec.dtype)
+    records, _ = batch_records(extractor, dataset[list(range(0, len(dataset), step))[:num_samples]], spec.dtype, tokenizer)
     raw = packed = 0
     for record in records:
         for key in COMPRESSED:
@@ -227,18 +236,20 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     `needs`: what the recipe's head kind reads from the target (its registry spec's `features`)."""
     from draftsmith.data.prepare import load_train
     from draftsmith.targets import parallel
-    from draftsmith.targets.loading import load_target
+    from draftsmith.targets.loading import load_target, load_tokenizer
     layout = parallel.layout_for(recipe, "capture")
     parallel.init_process_group()  # gloo across CPU processes when there is no GPU
     device = parallel.rank_device(torch.device("cpu"))
     dataset, data_manifest = load_train(recipe)
     model = load_target(recipe, device, layout, "capture")
     cfg = model.config.get_text_config()
-    spec = make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest, needs)
+    with_images = "images" in dataset.column_names
+    tokenizer = load_tokenizer(recipe) if with_images else None  # it carries the target's processor
+    spec = make_spec(recipe, cfg.num_hidden_layers, cfg.hidden_size, data_manifest, needs, with_images)
     extractor = FeatureExtractor(model, spec.stored_layer_ids, stop_after_features=spec.recompute,
                                  chunk_tokens=recipe.capture.chunk_tokens)
     if dry_run:
-        return projected_bytes(dataset, spec, feature_ratio(extractor, dataset, spec))
+        return projected_bytes(dataset, spec, feature_ratio(extractor, dataset, spec, tokenizer=tokenizer))
     store = capture_dir(recipe)
     if layout.rank == 0:
         store.mkdir(parents=True, exist_ok=True)
@@ -259,7 +270,7 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
     total = sum(len(dataset[i]["input_ids"]) for batch in mine for i in batch)
     bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, mininterval=2.0, disable=layout.rank != 0)
     for batch in mine:
-        records, num_tokens = batch_records(extractor, dataset[batch], spec.dtype)
+        records, num_tokens = batch_records(extractor, dataset[batch], spec.dtype, tokenizer)
         for index, record in zip(batch, records):
             if writer is not None and index not in done:  # a batch cut by a kill: its finished samples are stored
                 writer.add(index, record)
@@ -268,7 +279,8 @@ def run_capture(recipe: Recipe, needs: FeatureNeeds, dry_run: bool = False) -> d
         writer.flush()
     bar.close()
     parallel.barrier()
-    manifest = finalize(recipe, store, spec, len(dataset)) if layout.rank == 0 else {}
+    processor = getattr(tokenizer, "draftsmith_processor", None)
+    manifest = finalize(recipe, store, spec, len(dataset), processor) if layout.rank == 0 else {}
     parallel.barrier()
     return manifest
 
@@ -283,8 +295,9 @@ def _reset_if_other_spec(store: Path, spec: CaptureSpec) -> None:
     artifacts.write_json(spec_path, spec.as_dict())
 
 
-def finalize(recipe: Recipe, store: Path, spec: CaptureSpec, num_samples: int) -> dict:
-    """Merge every rank's progress into the manifest, after checking each sample is there once."""
+def finalize(recipe: Recipe, store: Path, spec: CaptureSpec, num_samples: int, processor=None) -> dict:
+    """Merge every rank's progress into the manifest, after checking each sample is there once. Image data records
+    the image processor's settings (sizes, min/max pixels) that shaped its image tokens."""
     entries = read_progress(store)
     seen = sorted(i for e in entries for i in e["samples"])
     if seen != list(range(num_samples)):
@@ -299,7 +312,8 @@ def finalize(recipe: Recipe, store: Path, spec: CaptureSpec, num_samples: int) -
         rebuilt_at_train_time={"low_feature": f"target layers [0, {spec.layer_ids[0]}) from the embedding",
                                "teacher": f"target layers [{spec.layer_ids[-1]}, N) and the final norm from the high feature"}
         if spec.recompute else {},
-        shards=[{k: e[k] for k in ("file", "sha256", "bytes", "num_tokens")} | {"num_samples": len(e["samples"])} for e in entries])
+        shards=[{k: e[k] for k in ("file", "sha256", "bytes", "num_tokens")} | {"num_samples": len(e["samples"])} for e in entries],
+        **({"image_processor": json.loads(processor.image_processor.to_json_string())} if processor is not None else {}))
 
 
 def capture_inputs_hash(recipe: Recipe) -> str:

@@ -284,6 +284,8 @@ def encode_conversation(tokenizer, conv: dict, system_prompt: str | None) -> tup
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < end and e > start for start, end in spans)) if e > s else 0
             for s, e in encoded["offset_mapping"]]
+    if images.has_images(messages):  # an image-text target: each image becomes its image tokens
+        return images.expand(tokenizer, text, encoded["input_ids"], mask, images.images_of(messages), conv["id"])
     return encoded["input_ids"], mask
 
 

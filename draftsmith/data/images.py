@@ -146,3 +146,74 @@ def image_digest(source: str) -> str:
 def check_images(messages: list[dict], where: str) -> list:
     """Every image of a conversation read and checked, in order (what the processor will be given)."""
     return [load_image(source, where) for source in images_of(messages)]
+
+
+def processor_of(tokenizer, where: str):
+    """The image-text target's processor that `load_tokenizer` attached; a clear error for a text-only target."""
+    processor = getattr(tokenizer, "draftsmith_processor", None)
+    if processor is None:
+        raise ImageError(f"{where}: the conversation holds images and the target reads text only (no processor)")
+    return processor
+
+
+def expand(tokenizer, text: str, ids: list[int], mask: list[int], sources: list[str], where: str) -> tuple[list[int], list[int]]:
+    """The rendered `text` as the target reads it: the processor puts each image's tokens where the template put
+    its placeholder. The loss mask of the template's tokens (`ids`, `mask`) carries over to the same tokens of the
+    expanded sequence; image tokens are never under it."""
+    from difflib import SequenceMatcher
+    processor = processor_of(tokenizer, where)
+    made = processor(text=[text], images=[load_image(s, where) for s in sources], add_special_tokens=False)
+    full = made["input_ids"][0]
+    full = list(full.tolist() if hasattr(full, "tolist") else full)
+    image_ids = _image_token_ids(processor)
+    unsupported = sorted(k for k in made if k not in ("input_ids", "attention_mask", "token_type_ids")
+                         and not k.startswith(("pixel_", "image_")))
+    types = made.get("token_type_ids")
+    if types is not None and [int(t) for t in types[0]] != [int(t in image_ids) for t in full]:
+        unsupported.append("token_type_ids (other than 1 on the image tokens)")
+    if unsupported:
+        raise ValueError(f"{where}: {type(processor).__name__} also gives {unsupported}, which the capture and the runtime "
+                         "do not carry yet (issue #52); supported: processors that give ids, mask, pixel inputs, and "
+                         "token types that mark the image tokens (LLaVA-style, Gemma 3)")
+    out = [0] * len(full)
+    for a, b, size in SequenceMatcher(None, ids, full, autojunk=False).get_matching_blocks():
+        out[b:b + size] = mask[a:a + size]
+    out = [0 if token in image_ids else m for token, m in zip(full, out)]
+    if sum(out) != sum(mask):
+        raise ImageError(f"{where}: the processor's expansion of the images changed the assistant tokens "
+                         f"({sum(mask)} before, {sum(out)} after)")
+    return full, out
+
+
+def _image_token_ids(processor) -> set[int]:
+    """The token the model puts image features on (its config's, `load_processor`), or the processor's own."""
+    chosen = getattr(processor, "draftsmith_image_token_id", None)
+    if chosen is not None:
+        return {chosen}
+    return {getattr(processor, name, None) for name in ("image_token_id", "image_token_index")} - {None}
+
+
+def _probe(processor) -> dict:
+    """What the processor gives the model for one image, learned once: the image inputs it keeps (Gemma 3's image
+    processor also returns `num_crops`, which its processor drops) and whether it gives token types."""
+    if not hasattr(processor, "_draftsmith_probe"):
+        from PIL import Image
+        made = processor(text=[getattr(processor, "image_token", None) or IMAGE_MARKER], images=[Image.new("RGB", (32, 32))])
+        processor._draftsmith_probe = {"image_keys": sorted(k for k in made if k not in ("input_ids", "attention_mask", "token_type_ids")),
+                                       "token_types": "token_type_ids" in made}
+    return processor._draftsmith_probe
+
+
+def pixel_inputs(tokenizer, rows: list[list[str]], where: str, ids_BT=None) -> dict:
+    """The image inputs of a batch (rows' images in order, as the model scatters them over its image tokens), from the
+    target's own image processor, with the token types that mark the image tokens of `ids_BT` where the model reads
+    them; empty for a batch without images."""
+    sources = [s for row in rows for s in row]
+    if not sources:
+        return {}
+    processor = processor_of(tokenizer, where)
+    made = processor.image_processor(images=[load_image(s, where) for s in sources], return_tensors="pt")
+    out = {k: made[k] for k in _probe(processor)["image_keys"]}
+    if ids_BT is not None and _probe(processor)["token_types"]:
+        out["token_type_ids"] = (ids_BT[..., None] == ids_BT.new_tensor(sorted(_image_token_ids(processor)))).any(-1).long()
+    return out

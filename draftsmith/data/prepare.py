@@ -28,9 +28,11 @@ def _split_heldout(rid: str, fraction: float) -> bool:
     return int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False) -> tuple[list[dict], list[dict], int]:
+def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
+            reads_images: bool = False) -> tuple[list[dict], list[dict], int]:
     """Read every source; return (train conversations, held-out conversations, records read). A prompt
-    without an answer (no assistant turn) is refused unless the target will answer it (`answering`)."""
+    without an answer (no assistant turn) is refused unless the target will answer it (`answering`); a
+    conversation with images, unless the target reads them (`reads_images`: an image-text target)."""
     cfg = recipe.data
     train, heldout, num_read = [], [], 0
     if cfg.builtin == "stdlib":
@@ -49,7 +51,8 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False) ->
                 item = conv.normalize(record, where, source.format, base_dir)
                 if "messages" in item and images.has_images(item["messages"]):
                     images.check_images(item["messages"], where)  # read once: a bad image is a bad record
-                    _refuse_images(recipe, where)
+                    if not reads_images or answering:
+                        _refuse_images(recipe, where, answering)
             except (conv.DataError, images.ImageError) as exc:
                 if isinstance(exc, ImagesNeedATarget):
                     raise
@@ -75,6 +78,9 @@ def encode_all(recipe: Recipe, tokenizer, items: list[dict], skips: conv.SkipCou
     """Tokenize and mask; apply the max-length policy; count every drop by reason."""
     cfg = recipe.data
     columns = {"id": [], "input_ids": [], "loss_mask": []}
+    with_images = any("messages" in item and images.has_images(item["messages"]) for item in items)
+    if with_images:
+        columns["images"] = []  # each row's image sources, in order: capture runs the target's image processor on them
     for item in tqdm(items, desc="data", unit="conv", mininterval=1.0):
         if "messages" in item and not any(m["role"] == "assistant" for m in item["messages"]):
             skips.skip("no_assistant_turn", item["id"])
@@ -83,6 +89,9 @@ def encode_all(recipe: Recipe, tokenizer, items: list[dict], skips: conv.SkipCou
             ids, mask = conv.encode_conversation(tokenizer, item, cfg.system_prompt)
         except conv.DataError:
             skips.skip("template_mismatch", item["id"])
+            continue
+        except images.ImageError:
+            skips.skip("bad_image", item["id"])
             continue
         if len(ids) > cfg.max_length:
             if cfg.overflow == "drop":
@@ -95,6 +104,8 @@ def encode_all(recipe: Recipe, tokenizer, items: list[dict], skips: conv.SkipCou
         columns["id"].append(item["id"])
         columns["input_ids"].append(ids)
         columns["loss_mask"].append(mask)
+        if with_images:
+            columns["images"].append(images.images_of(item["messages"]) if "messages" in item else [])
     return columns
 
 
@@ -106,7 +117,7 @@ def run_data(recipe: Recipe, regen: bool | None = None) -> dict:
     conv.check_tokenizer(tokenizer, f"target.model={recipe.target.model!r}")
     skips = conv.SkipCounter()
     answering = regen if regen is not None else recipe.data.regen.enabled
-    train, heldout, num_read = collect(recipe, skips, answering)
+    train, heldout, num_read = collect(recipe, skips, answering, getattr(tokenizer, "draftsmith_processor", None) is not None)
     _refuse_empty(recipe, "conversations", len(train) + len(heldout), num_read, skips)
     out = data_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,12 +157,16 @@ class ImagesNeedATarget(conv.DataError):
     """Image conversations for a target that cannot read them."""
 
 
-def _refuse_images(recipe: Recipe, where: str) -> None:
-    """Image conversations are read and checked; tokenizing them needs an image-text target's processor, which
-    the pipeline does not run yet (issue #52): say so rather than drop the images."""
-    raise ImagesNeedATarget(f"{where}: the conversation holds images; target {recipe.target.model!r} is trained on "
-                            "text here: image-text targets (AutoModelForImageTextToText with its processor) are not yet "
-                            "supported by the data, capture and training stages (issue #52); remove the image parts")
+def _refuse_images(recipe: Recipe, where: str, answering: bool) -> None:
+    """Image conversations are read and checked; tokenizing them needs an image-text target's processor (a text
+    target has none), and regenerating their answers is not built yet (issue #52): say so rather than drop them."""
+    if answering:
+        raise ImagesNeedATarget(f"{where}: the conversation holds images; regenerating the answers of image "
+                                "conversations (data.regen.enabled) is not supported yet (issue #52): give their answers, "
+                                "or remove the image parts")
+    raise ImagesNeedATarget(f"{where}: the conversation holds images; target {recipe.target.model!r} reads text only "
+                            "(no vision tower, no processor): point target.model at an image-text model "
+                            "(AutoModelForImageTextToText with its processor), or remove the image parts")
 
 
 def _refuse_empty(recipe: Recipe, what: str, count: int, num_read: int, skips: conv.SkipCounter) -> None:

@@ -285,7 +285,7 @@ def decode(recipe, export_dir: Path, depth: int, num_prompts: int) -> dict:
     model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
     head, _ = load_head(export_dir, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     head = head.to(device=device, dtype=model.dtype)
-    prompts = [p.to(device) for p, _ in validation_prompts(recipe, tokenizer, num_prompts)]
+    prompts = [p.to(device) for p, _, _ in validation_prompts(recipe, tokenizer, num_prompts)]
     max_len = max(len(p) for p in prompts) + recipe.validate.max_new_tokens + 2 * depth + 8
     runner = TargetRunner(model, max_len, head.config.get("draftsmith", {}).get("layer_ids", []))
     drafter = head_spec(head.kind).drafter(head, max_len, TreeConfig(depth, 1, depth + 1, None),

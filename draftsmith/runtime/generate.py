@@ -45,12 +45,13 @@ def _finish(tokens: list[int], new: list[int], eos_ids: set[int], max_new_tokens
 
 @torch.no_grad()
 def plain_generate(target, prompt_T: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
-                   eos_ids: set[int], gen: torch.Generator | None = None) -> GenerationResult:
-    """The baseline: same runtime, same static cache, one token per target forward."""
+                   eos_ids: set[int], gen: torch.Generator | None = None, image_inputs: dict | None = None) -> GenerationResult:
+    """The baseline: same runtime, same static cache, one token per target forward. `image_inputs`: an image
+    prompt's pixel inputs (`TargetRunner.prefill`)."""
     _sync(target.device)
     start = time.perf_counter()
     target.reset()
-    logits, _, _ = target.prefill(prompt_T)
+    logits, _, _ = target.prefill(prompt_T, image_inputs)
     token = sample_token(logits[-1], sampling, gen)
     tokens, done = _finish([], [int(token)], eos_ids, max_new_tokens)
     one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
@@ -66,8 +67,9 @@ def plain_generate(target, prompt_T: torch.Tensor, max_new_tokens: int, sampling
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
-                         eos_ids: set[int], gen: torch.Generator | None = None) -> GenerationResult:
-    """Tree-verified speculative decoding; greedy output equals plain greedy decoding token for token."""
+                         eos_ids: set[int], gen: torch.Generator | None = None, image_inputs: dict | None = None) -> GenerationResult:
+    """Tree-verified speculative decoding; greedy output equals plain greedy decoding token for token. An image
+    prompt's target prefill reads its images; the head reads the target's features there, as engines run it."""
     _sync(target.device)
     start = time.perf_counter()
     target.reset()
@@ -76,7 +78,7 @@ def speculative_generate(target, drafter, prompt_T: torch.Tensor, max_new_tokens
         drafter.set_sampling(0.0 if sampling.greedy else sampling.temperature, gen)
     if hasattr(drafter, "begin"):  # drafters that read the whole prompt (baselines): extend never carries prompt[0]
         drafter.begin(prompt_T)
-    logits, features, _ = target.prefill(prompt_T)
+    logits, features, _ = target.prefill(prompt_T, image_inputs)
     root = sample_token(logits[-1], sampling, gen)
     drafter.extend(torch.cat([prompt_T[1:], root.view(1)]), features)
     tokens, done = _finish([], [int(root)], eos_ids, max_new_tokens)

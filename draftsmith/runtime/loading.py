@@ -19,9 +19,11 @@ def head_sha(head: Path) -> str | None:
     return artifacts.sha256_file(weights) if weights.exists() else None
 
 
-def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
+def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> tuple[list[int], list[str]] | None:
     """A conversation up to its first assistant turn (or a whole user-only one), rendered with the
-    chat template and a generation prompt; None when it has no user turn to prompt with."""
+    chat template and a generation prompt, with its images (each expanded into its image tokens by the
+    target's processor); None when it has no user turn to prompt with."""
+    from draftsmith.data import images
     from draftsmith.data.conversations import render
     messages = conv["messages"]
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
@@ -30,7 +32,12 @@ def _prompt_ids(recipe: Recipe, tokenizer, conv: dict) -> list[int] | None:
         return None
     if recipe.data.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": recipe.data.system_prompt}] + messages
-    return tokenizer(render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
+    text = render(tokenizer, messages, generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sources = images.images_of(messages)
+    if sources:
+        ids, _ = images.expand(tokenizer, text, ids, [0] * len(ids), sources, conv.get("id", "a validation prompt"))
+    return ids, sources
 
 
 def prompt_sets(recipe: Recipe) -> list:
@@ -40,7 +47,7 @@ def prompt_sets(recipe: Recipe) -> list:
     return [] if not chosen else [PromptSet(path=chosen, split="test")] if isinstance(chosen, str) else list(chosen)
 
 
-def prompts_of_set(recipe: Recipe, tokenizer, prompt_set, limit: int) -> list[tuple[torch.Tensor, str]]:
+def prompts_of_set(recipe: Recipe, tokenizer, prompt_set, limit: int) -> list[tuple[torch.Tensor, str, list[str]]]:
     """Up to `limit` prompts of one set: JSONL lines in the data stage's formats ({"messages"},
     {"conversations"}, {"prompt"}, Alpaca), each with an optional "domain", or a builtin set."""
     from draftsmith.data import prompt_sets as builtin
@@ -61,10 +68,10 @@ def prompts_of_set(recipe: Recipe, tokenizer, prompt_set, limit: int) -> list[tu
             conv = normalize(record, where)
         except DataError as exc:
             raise ValueError(f"{exc} (or give a 'prompt' string)") from None
-        ids = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
-        if ids is None:
+        found = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
+        if found is None:
             raise ValueError(f"{where}: no user turn to prompt with; give 'prompt' or 'messages'")
-        out.append((torch.tensor(ids), prompt_set.domain or conv.get("domain") or fallback))
+        out.append((torch.tensor(found[0]), prompt_set.domain or conv.get("domain") or fallback, found[1]))
         if len(out) >= limit:
             break
     if not out:
@@ -83,21 +90,23 @@ def _jsonl_records(path: Path) -> list[tuple[str, dict]]:
     return records
 
 
-def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str]]:
-    """Held-out conversations up to their first assistant turn (or whole, for prompts without an answer),
-    rendered with the chat template; or the `validate.prompts` sets, taken in turn so that any first n
-    share the sets evenly."""
+def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torch.Tensor, str, list[str]]]:
+    """(prompt ids, domain, image sources): held-out conversations up to their first assistant turn (or whole, for
+    prompts without an answer), rendered with the chat template; or the `validate.prompts` sets, taken in turn so
+    that any first n share the sets evenly. An image-text target's held-out prompts fall in the domains `image`
+    and `text`, so that tau is reported for each."""
     from draftsmith.data.prepare import load_heldout
     sets = prompt_sets(recipe)
     if sets:
         chosen = [prompts_of_set(recipe, tokenizer, s, limit) for s in sets]
         interleaved = [p for row in itertools.zip_longest(*chosen) for p in row if p is not None]
         return interleaved[:limit]
-    prompts = []
+    prompts, reads_images = [], getattr(tokenizer, "draftsmith_processor", None) is not None
     for conv in load_heldout(recipe):
-        ids = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
-        if ids is not None:
-            prompts.append((torch.tensor(ids), str(conv.get("domain", "heldout"))))
+        found = _prompt_ids(recipe, tokenizer, conv) if "messages" in conv else None
+        if found is not None:
+            default = ("image" if found[1] else "text") if reads_images else "heldout"
+            prompts.append((torch.tensor(found[0]), str(conv.get("domain", default)), found[1]))
         if len(prompts) >= limit:
             break
     if not prompts:

@@ -422,7 +422,7 @@ def run_economics(recipe: Recipe, head: str | None = None, gpu_hour_usd: float |
         from draftsmith.targets.lora import merge_adapter
         model = merge_adapter(model, head_path / "lora")
     chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts)
-    prompts, domains = [p.to(model.device) for p, _ in chosen], [d for _, d in chosen]
+    prompts, domains = [p.to(model.device) for p, _, _ in chosen], [d for _, d, _ in chosen]
     ks = sorted({k for k in (cfg.num_speculative_tokens or range(recipe.validate.depth + 1)) if k > 0})
     if not ks:
         raise ValueError(f"economics.num_speculative_tokens={cfg.num_speculative_tokens}: no K > 0 to measure")

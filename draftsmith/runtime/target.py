@@ -30,7 +30,7 @@ from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, Cache, LinearAt
 from transformers.masking_utils import chunked_overlay, sliding_window_overlay
 
 from draftsmith.runtime.compile import maybe_compile
-from draftsmith.targets.features import FeatureExtractor
+from draftsmith.targets.features import FeatureExtractor, language_model_inputs
 
 ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 RECURRENT_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
@@ -54,6 +54,15 @@ def recurrent_mixers(decoder, cache_types: list[str]) -> dict[int, torch.nn.Modu
 def layer_states(layer) -> tuple[dict, dict]:
     return tuple({i: s.clone() for i, s in store.items() if s is not None}
                  for store in (layer.conv_states, layer.recurrent_states))
+
+
+def same_image(token_types_T: torch.Tensor) -> torch.Tensor:
+    """[T, T]: true where query and key are tokens of the same image (a run of token type 1), the blocks a prefill
+    lets attend both ways in models that read token types (Gemma 3); windows still apply on top (`masks`)."""
+    is_image = token_types_T == 1
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:-1]
+    group = torch.where(is_image, torch.cumsum(starts.long(), 0), torch.zeros_like(token_types_T))
+    return (group[:, None] == group[None, :]) & is_image[:, None] & is_image[None, :]
 
 
 class LayerLayout:
@@ -164,9 +173,10 @@ class TargetRunner:
                 layer.cumulative_length.fill_(length)
         self.length = length
 
-    def _decode(self, tokens_1N, positions_1N, masks):
+    def _decode(self, tokens_1N, positions_1N, masks, embeds_1ND=None):
         self.extractor._captured.clear()
-        out = self.extractor.decoder(input_ids=tokens_1N, position_ids=positions_1N, attention_mask=masks,
+        tokens = {"input_ids": tokens_1N} if embeds_1ND is None else {"inputs_embeds": embeds_1ND}
+        out = self.extractor.decoder(**tokens, position_ids=positions_1N, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state[0]
         aux = self.extractor.aux()
@@ -258,19 +268,26 @@ class TargetRunner:
                 store[idx].copy_(state)
 
     @torch.no_grad()
-    def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True):
+    def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True,
+                embeds_ND: torch.Tensor | None = None):
         """Run tokens at positions length+depth; returns (logits_NV fp32, features_NK, final_NH).
-        Their KV sits at [length, length+N) until `commit` keeps the accepted ones."""
+        Their KV sits at [length, length+N) until `commit` keeps the accepted ones. `embeds_ND`: the tokens'
+        input embeddings as the model made them (an image prompt's), instead of the ids'."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.length)
         lengths = torch.tensor([self.length], device=self.device)
         return self._run(tokens_N[None], (self.length + depth_N)[None], tree_mask_NN[None],
-                         self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]), fixed)
+                         self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]), fixed,
+                         None if embeds_ND is None else embeds_ND[None])
 
-    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool):
+    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool, embeds_BND=None):
         """The target's forward; on a recurrent target the states are kept before it and, in a verification
         (`fixed`) of several positions, what each recurrent mixer reads (run eagerly: hooks keep Python state)."""
+        if embeds_BND is not None:
+            if self.recurrent:
+                raise ValueError("image prompts on a target with recurrent layers are not supported yet (issue #52)")
+            return self._decode(tokens_BN, positions_BN, masks, embeds_BND)
         if not self.recurrent:
             return (self.decode_fixed if fixed else self._decode)(tokens_BN, positions_BN, masks)
         self._refuse_trees(tree_mask_BNN)
@@ -281,10 +298,15 @@ class TargetRunner:
         with self._recording_mixer_inputs():
             return self._decode(tokens_BN, positions_BN, masks)
 
-    def prefill(self, prompt_T: torch.Tensor):
+    def prefill(self, prompt_T: torch.Tensor, image_inputs: dict | None = None):
+        """The prompt's forward; an image prompt (`image_inputs`: its pixel values, as the target's image processor
+        made them) enters with the embeddings the model's own code builds from the ids and the images."""
         T = len(prompt_T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False)
+        if image_inputs and "token_type_ids" in image_inputs:  # Gemma 3: each image's tokens see each other both ways
+            causal = causal | same_image(image_inputs["token_type_ids"][0].to(self.device))
+        embeds = language_model_inputs(self.model, prompt_T[None], image_inputs)[0] if image_inputs else None
+        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False, embeds_ND=embeds)
         self.commit(torch.arange(T, device=self.device))
         return logits, aux, final
 

@@ -53,8 +53,9 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     device = model.device
     eos = eos_ids(model, tokenizer)
     chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
-    heldout = [p.to(device) for p, _ in chosen]
-    domains = [d for _, d in chosen][:cfg.num_prompts]
+    heldout = [p.to(device) for p, _, _ in chosen]
+    domains = [d for _, d, _ in chosen][:cfg.num_prompts]
+    image_inputs = [_image_inputs(tokenizer, p, sources, model) for p, _, sources in chosen][:cfg.num_prompts]
     prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
     max_len = validation_max_len(recipe, heldout)
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
@@ -72,7 +73,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     if hasattr(drafter, "calibrate") and cfg.tree_choices is None:
         calibration = _calibrate(drafter, runner, calibration_prompts, cfg.max_new_tokens, eos)
         calibration["prompts"] = "separate held-out prompts" if len(heldout) > cfg.num_prompts else "the measured prompts (too few held out)"
-    result = _measure(recipe, model, runner, drafter, prompts, eos, domains)
+    result = _measure(recipe, model, runner, drafter, prompts, eos, domains, image_inputs)
     if calibration:
         result["calibration"] = calibration
     if drift:
@@ -188,13 +189,15 @@ def _by_position(per_prompt: list[list[int]], prompts, depth: int) -> dict:
 
 
 @torch.no_grad()
-def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
-    """The model's own greedy `generate` (its dynamic cache, its masks): the reference speculative output
-    must equal, so that an error shared by our runtime's plain and speculative paths cannot pass; and its
-    seconds, the HF `generate` speed the report compares with."""
+def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int],
+                       image_inputs: dict | None = None) -> tuple[list[int], float]:
+    """The model's own greedy `generate` (its dynamic cache, its masks, an image prompt's pixel inputs): the
+    reference speculative output must equal, so that an error shared by our runtime's plain and speculative paths
+    cannot pass; and its seconds, the HF `generate` speed the report compares with."""
     ids = prompt[None].to(model.device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         **(image_inputs or {}),
                          eos_token_id=sorted(eos) or None, pad_token_id=model.generation_config.pad_token_id or 0,
                          top_p=None, top_k=None, temperature=None)
     seconds = time.perf_counter() - start
@@ -203,7 +206,18 @@ def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: se
     return (tokens[:ends[0] + 1] if ends else tokens), seconds
 
 
-def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list[str] | None = None) -> dict:
+def _image_inputs(tokenizer, prompt: torch.Tensor, sources: list[str], model) -> dict | None:
+    """An image prompt's pixel inputs (and token types, where the model reads them) on the target's device and
+    dtype; None for a text prompt."""
+    from draftsmith.data.images import pixel_inputs
+    if not sources:
+        return None
+    return {k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype)
+            for k, v in pixel_inputs(tokenizer, [sources], "a validation prompt", prompt[None].cpu()).items()}
+
+
+def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list[str] | None = None,
+             image_inputs: list[dict | None] | None = None) -> dict:
     cfg = recipe.validate
     greedy = SamplingConfig()
     plain_generate(runner, prompts[0], 8, greedy, eos)          # warm-up: allocator, kernels
@@ -213,10 +227,11 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     accept, exact, mismatches, per_prompt, timings, digests = [], 0, [], [], [], []
     exact_generate, mismatches_generate = 0, []
     bar = tqdm(prompts, desc="validate", unit="prompt", mininterval=2.0, disable=not is_first_rank())
+    image_inputs = image_inputs or [None] * len(prompts)
     for i, prompt in enumerate(bar):
-        base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos)
-        spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos)
-        reference, seconds = generate_reference(model, prompt, cfg.max_new_tokens, eos)
+        base = plain_generate(runner, prompt, cfg.max_new_tokens, greedy, eos, image_inputs=image_inputs[i])
+        spec = speculative_generate(runner, drafter, prompt, cfg.max_new_tokens, greedy, eos, image_inputs=image_inputs[i])
+        reference, seconds = generate_reference(model, prompt, cfg.max_new_tokens, eos, image_inputs[i])
         hf_s += seconds
         plain_s, spec_s = plain_s + base.seconds, spec_s + spec.seconds
         plain_tokens, spec_tokens, hf_tokens = plain_tokens + len(base.tokens), spec_tokens + len(spec.tokens), hf_tokens + len(reference)
@@ -260,7 +275,8 @@ def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list
     if cfg.temperature > 0:
         sampled = SamplingConfig(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         gen = torch.Generator(device=prompts[0].device).manual_seed(recipe.seed)
-        runs = [speculative_generate(runner, drafter, p, cfg.max_new_tokens, sampled, eos, gen) for p in prompts]
+        runs = [speculative_generate(runner, drafter, p, cfg.max_new_tokens, sampled, eos, gen, x)
+                for p, x in zip(prompts, image_inputs)]
         result["sampled"] = {"temperature": cfg.temperature, "lossless": True,
                              **acceptance_stats([a for r in runs for a in r.accept_lengths], cfg.depth)}
         if cfg.typical_acceptance:

@@ -50,6 +50,38 @@ def decoder_of(model):
                      "or .language_model; draftsmith reads hidden states from the decoder layers")
 
 
+class _Entered(Exception):
+    """Raised by the hook that reads what a multimodal model hands its language model."""
+
+
+@torch.no_grad()
+def language_model_inputs(model, input_ids_BT: torch.Tensor, image_inputs: dict) -> torch.Tensor:
+    """The input embeddings an image-text model hands its language model (text embeddings with the vision tower's
+    features scattered over the image tokens), computed by the model's own code: its forward runs up to the entry
+    of the decoder and stops there. A model that also computes multimodal rotary positions (Qwen's 3 x T mrope ids)
+    is refused: decoding would have to continue them by the model's rule, which this release does not do yet."""
+    seen = {}
+
+    def grab(_module, _args, kwargs):
+        seen.update(kwargs)
+        raise _Entered
+
+    handle = decoder_of(model).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(input_ids=input_ids_BT, use_cache=False, **image_inputs)
+    except _Entered:
+        pass
+    finally:
+        handle.remove()
+    if "inputs_embeds" not in seen:
+        raise ValueError(f"{type(model).__name__}: its language model was not called with inputs_embeds")
+    positions = seen.get("position_ids")
+    if positions is not None and positions.dim() == 3:
+        raise ValueError(f"{type(model).__name__} rotates with multimodal positions (mrope); decoding image prompts on "
+                         "such a target is not supported yet by draftsmith's runtime (issue #52): validate on text prompts")
+    return seen["inputs_embeds"]
+
+
 class Skip(torch.nn.Module):
     """Stands in for a decoder layer whose output nobody reads: passes the hidden state through, in the
     form the layer returns it (a tensor, or a one-tuple for decoders that read `layer_outputs[0]`, as
@@ -111,10 +143,11 @@ class FeatureExtractor:
         self._final = output.last_hidden_state
 
     @torch.no_grad()
-    def __call__(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
+    def __call__(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, **image_inputs):
         """One forward of the whole model (the decoder's output read by a hook, the logits of the last
         position only): a target whose replicas transformers wraps with FSDP2 (target.parallel with
-        data parallelism) runs only through its root module."""
+        data parallelism) runs only through its root module. `image_inputs` (an image-text target's pixel
+        values and the like) go to the model as its processor made them."""
         self._captured.clear()
         self._final = None
         layers = self.decoder.layers
@@ -124,8 +157,12 @@ class FeatureExtractor:
                 layers[i] = Skip.for_decoder(self.decoder, layers[i])
             T, C = input_ids_BT.shape[1], self.chunk_tokens
             if C and T > C:
+                if image_inputs:
+                    raise ValueError("capture.chunk_tokens: samples with images are captured in one forward; "
+                                     "set capture.chunk_tokens: null (or above the longest sample) for image-text data")
                 return self._by_chunks(input_ids_BT, attention_mask_BT, C)
-            self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1)
+            self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, logits_to_keep=1,
+                       **image_inputs)
         finally:
             for i, layer in kept.items():
                 layers[i] = layer

@@ -36,8 +36,8 @@ GROUP_WINDOW = 64  # global batches whose samples are sorted by length together
 class OnlineSource:
     """Runs the frozen target on token batches and returns records exactly as capture stores them."""
 
-    def __init__(self, model, layer_ids: list[int], dataset):
-        self.extractor, self.dataset = FeatureExtractor(model, layer_ids), dataset
+    def __init__(self, model, layer_ids: list[int], dataset, tokenizer=None):
+        self.extractor, self.dataset, self.tokenizer = FeatureExtractor(model, layer_ids), dataset, tokenizer
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -46,7 +46,7 @@ class OnlineSource:
         return [len(ids) for ids in self.dataset["input_ids"]]
 
     def records(self, indices: list[int]) -> list[dict]:
-        records, _ = batch_records(self.extractor, self.dataset[indices], "fp32")
+        records, _ = batch_records(self.extractor, self.dataset[indices], "fp32", self.tokenizer)
         return [to_sample(record.get) for record in records]
 
 

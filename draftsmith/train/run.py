@@ -8,7 +8,7 @@ from draftsmith.data.vocab import load_or_build
 from draftsmith.heads.registry import head_spec
 from draftsmith.recipe import Recipe
 from draftsmith.targets.features import FeatureCompleter
-from draftsmith.targets.loading import load_target, load_target_embeddings, load_target_layers, target_fingerprint
+from draftsmith.targets.loading import load_target, load_target_embeddings, load_target_layers, load_tokenizer, target_fingerprint
 from draftsmith.train import batches as B
 from draftsmith.train.tracking import make_tracker
 from draftsmith.train.trainer import Trainer, head_dir, make_accelerator, train_dir, train_inputs_hash
@@ -19,7 +19,8 @@ def _sources(recipe: Recipe, dataset, data_manifest: dict, layer_ids: list[int],
     if recipe.capture.mode == "online":  # a sharded target (target.parallel) runs on every rank of its replica
         from draftsmith.targets.parallel import full, layout_for
         model = load_target(recipe, accelerator.device, layout_for(recipe, "train"), "train")
-        return (B.OnlineSource(model, layer_ids, dataset), full(model.get_input_embeddings().weight.detach()),
+        tokenizer = load_tokenizer(recipe) if "images" in dataset.column_names else None  # carries the processor
+        return (B.OnlineSource(model, layer_ids, dataset, tokenizer), full(model.get_input_embeddings().weight.detach()),
                 full(model.get_output_embeddings().weight.detach()), None)
     from draftsmith.data.store import CaptureStore
     expected = {"target_id": recipe.target.model, "target_fingerprint": target_fingerprint(recipe.target.model),

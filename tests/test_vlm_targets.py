@@ -48,3 +48,61 @@ def test_image_text_target_loads_whole_and_heads_read_its_language_model(tmp_pat
 def test_other_image_text_families_load_with_the_same_class(config_name):
     import transformers
     assert model_class(getattr(transformers, config_name)()) is AutoModelForImageTextToText
+
+
+def _qwen3_vl():
+    from transformers import Qwen3VLConfig
+    return Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=600, max_position_embeddings=2048,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                           deepstack_visual_indexes=[0, 1], num_position_embeddings=64),
+        image_token_id=590, video_token_id=591, vision_start_token_id=592, vision_end_token_id=593)
+
+
+def _image_prompt(config, patch: int):
+    """Text, one image of 4 x 4 patches (4 image tokens after the 2 x 2 merge), text; the inputs its processor would
+    give (built by hand: Qwen's processors need torchvision, which this machine's CPU torch cannot run)."""
+    g = torch.Generator().manual_seed(0)
+    text = lambda n: torch.randint(3, 500, (n,), generator=g)
+    image = [config.vision_start_token_id] + [config.image_token_id] * 4 + [config.vision_end_token_id]
+    ids = torch.cat([text(5), torch.tensor(image), text(6)])
+    return ids, {"pixel_values": torch.randn(16, 3 * 2 * patch * patch, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+                 "mm_token_type_ids": (ids == config.image_token_id).long()[None]}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_mrope_targets_decode_image_prompts_exactly(family):
+    """Qwen-VL rotates with 3-axis positions (mrope) that the model computes from the image grid; after the prompt,
+    text continues at its position plus the model's offset on every axis. Qwen3-VL also adds deepstack visual features
+    to its first layers. Plain and speculative decoding (trees, rounds rejected, partial and whole) equal `generate`."""
+    from test_layer_types import CyclingDrafter
+    from draftsmith.runtime.generate import plain_generate, speculative_generate
+    from draftsmith.runtime.target import TargetRunner
+    from draftsmith.runtime.validate import generate_reference
+    from draftsmith.runtime.verify import SamplingConfig
+    config, patch = (_qwen25_vl(), 14) if family == "qwen2_5_vl" else (_qwen3_vl(), 16)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    ids, image = _image_prompt(config, patch)
+    runner = TargetRunner(model, 64, [1, 3], compile_mode=None)
+    logits, _, _ = runner.prefill(ids, image)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(input_ids=ids[None], **image).logits[0].float(), atol=1e-4, rtol=1e-4)
+    assert runner.rope_offset < 0  # the image's tokens share positions: text after it continues below its index
+    reference = generate_reference(model, ids, 16, set(), image)[0]
+    assert plain_generate(runner, ids, 16, SamplingConfig(), set(), image_inputs=image).tokens == reference
+    spec = speculative_generate(runner, CyclingDrafter(reference, len(ids), 3, 600, width=2), ids, 16, SamplingConfig(),
+                                set(), image_inputs=image)
+    assert spec.tokens == reference and {0, 3} <= set(spec.accept_lengths)
+    runner.reset()
+    runner.prefill(ids, image)
+    offset, runner.rope_offset = runner.rope_offset, 0  # without the offset the next token rotates wrongly
+    one = torch.ones(1, 1, dtype=torch.bool)
+    wrong = runner.forward(ids[-1:], torch.zeros(1, dtype=torch.long), one)[0]
+    runner.truncate(len(ids))
+    runner.rope_offset = offset
+    right = runner.forward(ids[-1:], torch.zeros(1, dtype=torch.long), one)[0]
+    assert not torch.allclose(wrong, right, atol=1e-4)

@@ -22,6 +22,9 @@ from pathlib import Path
 
 IMAGE_MARKER = "<image>"  # ShareGPT4V / LLaVA
 IMAGE_PART_TYPES = ("image", "image_url")
+# per-token inputs a processor may give that mark the image tokens with 1: Gemma 3's token types (its image tokens
+# attend to each other both ways), Qwen-VL's multimodal token types (they place the mrope positions)
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 
 class ImageError(ValueError):
@@ -166,15 +169,15 @@ def expand(tokenizer, text: str, ids: list[int], mask: list[int], sources: list[
     full = made["input_ids"][0]
     full = list(full.tolist() if hasattr(full, "tolist") else full)
     image_ids = _image_token_ids(processor)
-    unsupported = sorted(k for k in made if k not in ("input_ids", "attention_mask", "token_type_ids")
+    unsupported = sorted(k for k in made if k not in ("input_ids", "attention_mask", *TOKEN_TYPES)
                          and not k.startswith(("pixel_", "image_")))
-    types = made.get("token_type_ids")
-    if types is not None and [int(t) for t in types[0]] != [int(t in image_ids) for t in full]:
-        unsupported.append("token_type_ids (other than 1 on the image tokens)")
+    for key in TOKEN_TYPES:
+        if key in made and [int(t) for t in made[key][0]] != [int(t in image_ids) for t in full]:
+            unsupported.append(f"{key} (other than 1 on the image tokens)")
     if unsupported:
         raise ValueError(f"{where}: {type(processor).__name__} also gives {unsupported}, which the capture and the runtime "
                          "do not carry yet (issue #52); supported: processors that give ids, mask, pixel inputs, and "
-                         "token types that mark the image tokens (LLaVA-style, Gemma 3)")
+                         "token types that mark the image tokens (LLaVA-style, Gemma 3, Qwen-VL)")
     out = [0] * len(full)
     for a, b, size in SequenceMatcher(None, ids, full, autojunk=False).get_matching_blocks():
         out[b:b + size] = mask[a:a + size]
@@ -195,12 +198,12 @@ def _image_token_ids(processor) -> set[int]:
 
 def _probe(processor) -> dict:
     """What the processor gives the model for one image, learned once: the image inputs it keeps (Gemma 3's image
-    processor also returns `num_crops`, which its processor drops) and whether it gives token types."""
+    processor also returns `num_crops`, which its processor drops) and the token types it gives."""
     if not hasattr(processor, "_draftsmith_probe"):
         from PIL import Image
         made = processor(text=[getattr(processor, "image_token", None) or IMAGE_MARKER], images=[Image.new("RGB", (32, 32))])
-        processor._draftsmith_probe = {"image_keys": sorted(k for k in made if k not in ("input_ids", "attention_mask", "token_type_ids")),
-                                       "token_types": "token_type_ids" in made}
+        processor._draftsmith_probe = {"image_keys": sorted(k for k in made if k not in ("input_ids", "attention_mask", *TOKEN_TYPES)),
+                                       "token_types": [k for k in TOKEN_TYPES if k in made]}
     return processor._draftsmith_probe
 
 
@@ -214,6 +217,6 @@ def pixel_inputs(tokenizer, rows: list[list[str]], where: str, ids_BT=None) -> d
     processor = processor_of(tokenizer, where)
     made = processor.image_processor(images=[load_image(s, where) for s in sources], return_tensors="pt")
     out = {k: made[k] for k in _probe(processor)["image_keys"]}
-    if ids_BT is not None and _probe(processor)["token_types"]:
-        out["token_type_ids"] = (ids_BT[..., None] == ids_BT.new_tensor(sorted(_image_token_ids(processor)))).any(-1).long()
+    for key in _probe(processor)["token_types"] if ids_BT is not None else ():
+        out[key] = (ids_BT[..., None] == ids_BT.new_tensor(sorted(_image_token_ids(processor)))).any(-1).long()
     return out

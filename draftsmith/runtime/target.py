@@ -146,13 +146,16 @@ class TargetRunner:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = model.get_output_embeddings()
         self.length = 0
+        # multimodal rotary positions (Qwen-VL's mrope): after an image prompt, text continues at its position plus this
+        # offset on every axis (the model's rope_deltas); 0 otherwise
+        self.rope_offset = 0
         # fixed-size forwards (plain decode N=1, tree verify N=num_nodes) become CUDA graphs on a GPU;
         # the prefill has a different length per prompt and stays eager
         self.decode_fixed = maybe_compile(self._decode, compile_mode, self.device)
 
     def reset(self) -> None:
         self.cache.reset()
-        self.length = 0
+        self.length, self.rope_offset = 0, 0
         self._snapshot, self._inputs = None, None
 
     def _masks(self, tree_mask_BNN: torch.Tensor, lengths_B: torch.Tensor, scratch: int, depth_BN: torch.Tensor):
@@ -173,9 +176,9 @@ class TargetRunner:
                 layer.cumulative_length.fill_(length)
         self.length = length
 
-    def _decode(self, tokens_1N, positions_1N, masks, embeds_1ND=None):
+    def _decode(self, tokens_1N, positions_1N, masks, embeds_1ND=None, extra: dict | None = None):
         self.extractor._captured.clear()
-        tokens = {"input_ids": tokens_1N} if embeds_1ND is None else {"inputs_embeds": embeds_1ND}
+        tokens = {"input_ids": tokens_1N} if embeds_1ND is None else {"inputs_embeds": embeds_1ND, **(extra or {})}
         out = self.extractor.decoder(**tokens, position_ids=positions_1N, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state[0]
@@ -269,25 +272,28 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True,
-                embeds_ND: torch.Tensor | None = None):
+                embeds_ND: torch.Tensor | None = None, rope_positions=None, extra: dict | None = None):
         """Run tokens at positions length+depth; returns (logits_NV fp32, features_NK, final_NH).
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones. `embeds_ND`: the tokens'
-        input embeddings as the model made them (an image prompt's), instead of the ids'."""
+        input embeddings as the model made them (an image prompt's), instead of the ids'; `rope_positions`: the
+        rotary positions the model made for them (Qwen-VL's 3 x 1 x N), instead of length+depth; `extra`: what else the
+        model gives its decoder with them (Qwen3-VL's deepstack features)."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.length)
         lengths = torch.tensor([self.length], device=self.device)
-        return self._run(tokens_N[None], (self.length + depth_N)[None], tree_mask_NN[None],
+        positions = (self.length + self.rope_offset + depth_N)[None] if rope_positions is None else rope_positions
+        return self._run(tokens_N[None], positions, tree_mask_NN[None],
                          self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]), fixed,
-                         None if embeds_ND is None else embeds_ND[None])
+                         None if embeds_ND is None else embeds_ND[None], extra)
 
-    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool, embeds_BND=None):
+    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool, embeds_BND=None, extra=None):
         """The target's forward; on a recurrent target the states are kept before it and, in a verification
         (`fixed`) of several positions, what each recurrent mixer reads (run eagerly: hooks keep Python state)."""
         if embeds_BND is not None:
             if self.recurrent:
                 raise ValueError("image prompts on a target with recurrent layers are not supported yet (issue #52)")
-            return self._decode(tokens_BN, positions_BN, masks, embeds_BND)
+            return self._decode(tokens_BN, positions_BN, masks, embeds_BND, extra)
         if not self.recurrent:
             return (self.decode_fixed if fixed else self._decode)(tokens_BN, positions_BN, masks)
         self._refuse_trees(tree_mask_BNN)
@@ -305,8 +311,10 @@ class TargetRunner:
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         if image_inputs and "token_type_ids" in image_inputs:  # Gemma 3: each image's tokens see each other both ways
             causal = causal | same_image(image_inputs["token_type_ids"][0].to(self.device))
-        embeds = language_model_inputs(self.model, prompt_T[None], image_inputs)[0] if image_inputs else None
-        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False, embeds_ND=embeds)
+        embeds, positions, extra = language_model_inputs(self.model, prompt_T[None], image_inputs) if image_inputs else (None, None, None)
+        logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False,
+                                          embeds_ND=None if embeds is None else embeds[0], rope_positions=positions, extra=extra)
+        self.rope_offset = 0 if positions is None else int(positions.max()) + 1 - T
         self.commit(torch.arange(T, device=self.device))
         return logits, aux, final
 

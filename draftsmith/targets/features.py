@@ -55,11 +55,12 @@ class _Entered(Exception):
 
 
 @torch.no_grad()
-def language_model_inputs(model, input_ids_BT: torch.Tensor, image_inputs: dict) -> torch.Tensor:
-    """The input embeddings an image-text model hands its language model (text embeddings with the vision tower's
-    features scattered over the image tokens), computed by the model's own code: its forward runs up to the entry
-    of the decoder and stops there. A model that also computes multimodal rotary positions (Qwen's 3 x T mrope ids)
-    is refused: decoding would have to continue them by the model's rule, which this release does not do yet."""
+def language_model_inputs(model, input_ids_BT: torch.Tensor, image_inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(input embeddings, multimodal rotary positions or None, other inputs) an image-text model hands its language
+    model: text embeddings with the vision tower's features scattered over the image tokens; for Qwen-VL's mrope the
+    3 x B x T (temporal, height, width) positions; what else the model gives its decoder for the prompt (Qwen3-VL's
+    deepstack visual features and their positions). Computed by the model's own code: its forward runs up to the
+    entry of the decoder and stops there."""
     seen = {}
 
     def grab(_module, _args, kwargs):
@@ -76,10 +77,15 @@ def language_model_inputs(model, input_ids_BT: torch.Tensor, image_inputs: dict)
     if "inputs_embeds" not in seen:
         raise ValueError(f"{type(model).__name__}: its language model was not called with inputs_embeds")
     positions = seen.get("position_ids")
-    if positions is not None and positions.dim() == 3:
-        raise ValueError(f"{type(model).__name__} rotates with multimodal positions (mrope); decoding image prompts on "
-                         "such a target is not supported yet by draftsmith's runtime (issue #52): validate on text prompts")
-    return seen["inputs_embeds"]
+    if positions is not None and positions.dim() == 3 and positions.shape[0] == 4:
+        positions = positions[1:]  # Qwen's text positions come first, for packed masks; the rotation reads the other 3
+    other = {k: v for k, v in seen.items() if v is not None and k not in _DECODER_OWN}
+    return seen["inputs_embeds"], positions if positions is not None and positions.dim() == 3 else None, other
+
+
+# what a runner gives the decoder itself (ids or embeddings, positions, masks, cache), never taken from the prompt's call
+_DECODER_OWN = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
+                "return_dict", "output_hidden_states", "output_attentions", "cache_position", "text_position_ids"}
 
 
 class Skip(torch.nn.Module):

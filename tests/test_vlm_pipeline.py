@@ -193,3 +193,28 @@ def test_prefill_with_images_equals_the_models_own_forward(vlm_run):
     runner.reset()
     text_only, _, _ = runner.prefill(inputs["input_ids"][0])
     assert not torch.allclose(text_only[-1], reference[-1].float(), atol=1e-3)  # the images matter
+
+
+def test_exports_serve_the_head_on_the_language_model_and_validate_back_exactly(vlm_run, tmp_path):
+    """vLLM, SGLang and speculators exports of a head trained on an image-text target: a Llama draft on plain 1D
+    positions (no mrope section: the image reaches it through the target's features, as vLLM serves VLM heads),
+    sized from the language model; speculators names the verifier as published. The vLLM export validates back
+    exactly on image and text prompts."""
+    from draftsmith.runtime.export import export_head
+    from draftsmith.runtime.validate import run_validate
+    from draftsmith.train.trainer import head_dir
+    recipe, _, _ = vlm_run
+    run_validate(recipe)  # the head trained above, validated where export looks
+    target = json.loads((Path(recipe.target.model) / "config.json").read_text())
+    for engine in ("vllm", "sglang", "speculators"):
+        export_head(str(head_dir(recipe)), engine, str(tmp_path / engine))
+        config = json.loads((tmp_path / engine / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert layer["hidden_size"] == target["text_config"]["hidden_size"] and not layer.get("rope_scaling")
+        assert "mrope_section" not in json.dumps(config)
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    speculators = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert speculators["speculators_config"]["verifier"]["architectures"] == target["architectures"]
+    summary = run_validate(recipe, head=str(tmp_path / "vllm"), out=str(tmp_path / "v"))
+    result = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert summary["exact_match"] and result["exact_vs_generate"] and set(result["per_domain"]) == {"image", "text"}

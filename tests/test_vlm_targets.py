@@ -106,3 +106,32 @@ def test_mrope_targets_decode_image_prompts_exactly(family):
     runner.rope_offset = offset
     right = runner.forward(ids[-1:], torch.zeros(1, dtype=torch.long), one)[0]
     assert not torch.allclose(wrong, right, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe_path,model,first_id", [
+    ("recipes/qwen2.5-vl-7b-instruct/eagle3.yaml", "Qwen/Qwen2.5-VL-7B-Instruct", 2),
+    ("recipes/qwen3-vl-8b-instruct/eagle3.yaml", "Qwen/Qwen3-VL-8B-Instruct", 4)])
+def test_vlm_recipes_fit_their_launch_and_read_layers_every_engine_agrees_on(recipe_path, model, first_id):
+    """The Qwen-VL recipes plan with the vision tower counted and fit 8 x 80 GB; their layer ids start above the
+    layers Qwen3-VL adds deepstack features to (SGLang reads those before the add, HF after); the draft they export
+    drafts on plain 1D positions (no mrope section)."""
+    from pathlib import Path
+    from conftest import target_config
+    from draftsmith import recipe as recipe_mod
+    from draftsmith.heads.eagle3.model import draft_config_from_target
+    root = Path(__file__).resolve().parent.parent
+    recipe, config = recipe_mod.load(root / recipe_path), target_config(model)
+    assert model_class(config) is AutoModelForImageTextToText
+    out = plan.make_plan(recipe, config, 8, 80)
+    assert all(row["fits"] for row in out["stages"].values()), out["stages"]
+    facts = plan.target_facts(config)
+    with torch.device("meta"):
+        vision = sum(p.numel() for n, p in AutoModelForImageTextToText.from_config(config).named_parameters() if "visual" in n)
+    assert vision > 3e8 and facts.params > 8e9
+    ids = recipe.capture.layer_ids
+    deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+    assert ids[0] == first_id and ids[0] > deepstack and ids == sorted(ids) and ids[-1] < facts.layers
+    draft = draft_config_from_target(config, recipe.head.draft_vocab_size, ids)
+    assert draft["rope_scaling"] is None and draft["hidden_size"] == config.get_text_config().hidden_size
+    text = (root / recipe_path).read_text()
+    assert "--gpu-memory-gb 80" in text and f"{facts.params / 1e9:.1f}B parameters" in text

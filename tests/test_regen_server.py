@@ -2,6 +2,7 @@
 loopback port with a tiny target, against the in-process path; the server killed and restarted mid-run;
 the client killed and resumed; and the bad inputs (unreachable URL, wrong model, non-JSON answers, empty
 completions), the last two from a stub server on loopback. Every request goes to 127.0.0.1."""
+import base64
 import json
 import os
 import signal
@@ -249,6 +250,24 @@ def test_server_reasoning_is_kept_and_tool_call_turns_are_not_regenerated(random
     sent = stub.requests[0]["messages"]
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool"]
     assert sent[2]["tool_calls"][0]["function"]["name"] == "weather" and sent[3]["tool_call_id"] == "c1"
+
+
+def test_images_travel_to_the_server_as_data_urls(random_target, stub, tmp_path):
+    """An image part goes to the server as OpenAI's `image_url` with a data URL (what vLLM, SGLang and transformers
+    serve read without access to the data's files); the stored conversation keeps its image part."""
+    from PIL import Image
+    Image.new("RGB", (8, 6), "red").save(tmp_path / "red.png")
+    _Stub.mode = "reasoning"
+    url = f"http://{HOST}:{stub.server_address[1]}/v1"
+    recipe = _recipe(tmp_path, random_target, f"data.regen.server={url}", "data.regen.max_retries=0")
+    user = [{"type": "image", "image": str(tmp_path / "red.png")}, {"type": "text", "text": "Colour?"}]
+    result, counts = regenerate(recipe, load_tokenizer(recipe), [{"id": "img", "messages": [{"role": "user", "content": user}]}],
+                                tmp_path / "regen.jsonl")
+    assert counts["regenerated"] == 1
+    sent = stub.requests[0]["messages"][-1]["content"]
+    assert sent[0]["type"] == "image_url" and sent[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert base64.b64decode(sent[0]["image_url"]["url"].split(",", 1)[1]) == (tmp_path / "red.png").read_bytes()
+    assert sent[1] == {"type": "text", "text": "Colour?"} and result[0]["messages"][0]["content"] == user
 
 
 def test_prompts_are_answered_through_the_server_as_in_process(server, random_target, tmp_path):

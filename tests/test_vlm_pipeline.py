@@ -218,3 +218,31 @@ def test_exports_serve_the_head_on_the_language_model_and_validate_back_exactly(
     summary = run_validate(recipe, head=str(tmp_path / "vllm"), out=str(tmp_path / "v"))
     result = json.loads((tmp_path / "v" / "validation.json").read_text())
     assert summary["exact_match"] and result["exact_vs_generate"] and set(result["per_domain"]) == {"image", "text"}
+
+
+def test_image_prompts_are_answered_by_the_target_with_their_images(vlm_run, tmp_path):
+    """Regeneration in process: an image prompt's answer is what the model's own `generate` says given the image
+    (its processor's inputs), and it is trained on like any answer."""
+    from draftsmith.data.prepare import load_train, run_data
+    from draftsmith.targets.loading import load_target, load_tokenizer
+    recipe, image_token, _ = vlm_run
+    image = sorted(Path(recipe.data.sources[0].path).parent.glob("img*.png"))[1]
+    user = [{"type": "image", "image": str(image)}, {"type": "text", "text": "What number is drawn?"}]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "messages": [{"role": "user", "content": user}]}
+                                                       for i in range(3)] + [{"id": "t", "prompt": "def add(a, b):"}])
+    answering = micro_recipe(tmp_path / "runs", recipe.target.model, "data.builtin=null", f'data.sources=[{{path: "{prompts}"}}]',
+                             "data.heldout_fraction=0", "data.regen.enabled=true", "data.regen.max_new_tokens=6",
+                             "data.regen.batch_size=4")
+    manifest = run_data(answering)
+    assert manifest["regeneration"]["regenerated"] == 4 and manifest["num_train_conversations"] == 4
+    model, tokenizer = load_target(answering, torch.device("cpu")), load_tokenizer(answering)
+    inputs = tokenizer.draftsmith_processor.apply_chat_template([{"role": "user", "content": user}], tokenize=True,
+                                                                return_dict=True, add_generation_prompt=True, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    regenerated = [json.loads(line) for line in (Path(answering.run_dir) / "data").glob("regen-*.jsonl").__next__().read_text().splitlines()]
+    answers = {r["id"]: r["messages"][-1]["content"] for r in regenerated}
+    assert answers["q0"] == answers["q1"] == expected
+    dataset, _ = load_train(answering)
+    row = dataset[dataset["id"].index("q0")]
+    assert image_token in row["input_ids"] and sum(row["loss_mask"]) > 0

@@ -141,6 +141,26 @@ def _bytes_of(source: str) -> bytes:
     return Path(source.removeprefix("file://")).read_bytes()
 
 
+def data_url(source: str, where: str) -> str:
+    """The image as a `data:image/...;base64,` URL: what every OpenAI-compatible server reads (vLLM reads local
+    `file://` paths only under --allowed-local-media-path; a server elsewhere cannot read them at all)."""
+    if source.startswith("data:"):
+        return source
+    from PIL import Image
+    load_image(source, where)  # a missing or corrupt image is named here, as everywhere
+    raw = _bytes_of(source)
+    with Image.open(io.BytesIO(raw)) as probe:
+        kind = (probe.format or "png").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(raw).decode()}"
+
+
+def for_server(messages: list[dict], where: str) -> list[dict]:
+    """The conversation as an OpenAI chat request carries it: image parts as `image_url` parts with data URLs."""
+    return [{**m, "content": [{"type": "image_url", "image_url": {"url": data_url(p["image"], where)}}
+                              if p.get("type") == "image" else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
 def image_digest(source: str) -> str:
     """What a store records of one image: its bytes' hash (the same image under two paths is one image)."""
     return hashlib.sha256(_bytes_of(source)).hexdigest()[:16]

@@ -32,7 +32,8 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
             reads_images: bool = False) -> tuple[list[dict], list[dict], int]:
     """Read every source; return (train conversations, held-out conversations, records read). A prompt
     without an answer (no assistant turn) is refused unless the target will answer it (`answering`); a
-    conversation with images, unless the target reads them (`reads_images`: an image-text target)."""
+    conversation with images, unless the target reads them (`reads_images`: an image-text target, which also
+    answers image prompts when regenerating)."""
     cfg = recipe.data
     train, heldout, num_read = [], [], 0
     if cfg.builtin == "stdlib":
@@ -51,8 +52,8 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
                 item = conv.normalize(record, where, source.format, base_dir)
                 if "messages" in item and images.has_images(item["messages"]):
                     images.check_images(item["messages"], where)  # read once: a bad image is a bad record
-                    if not reads_images or answering:
-                        _refuse_images(recipe, where, answering)
+                    if not reads_images:
+                        _refuse_images(recipe, where)
             except (conv.DataError, images.ImageError) as exc:
                 if isinstance(exc, ImagesNeedATarget):
                     raise
@@ -157,13 +158,9 @@ class ImagesNeedATarget(conv.DataError):
     """Image conversations for a target that cannot read them."""
 
 
-def _refuse_images(recipe: Recipe, where: str, answering: bool) -> None:
-    """Image conversations are read and checked; tokenizing them needs an image-text target's processor (a text
-    target has none), and regenerating their answers is not built yet (issue #52): say so rather than drop them."""
-    if answering:
-        raise ImagesNeedATarget(f"{where}: the conversation holds images; regenerating the answers of image "
-                                "conversations (data.regen.enabled) is not supported yet (issue #52): give their answers, "
-                                "or remove the image parts")
+def _refuse_images(recipe: Recipe, where: str) -> None:
+    """Image conversations are read and checked; tokenizing them needs an image-text target's processor, which a
+    text target has not: say so rather than drop the images."""
     raise ImagesNeedATarget(f"{where}: the conversation holds images; target {recipe.target.model!r} reads text only "
                             "(no vision tower, no processor): point target.model at an image-text model "
                             "(AutoModelForImageTextToText with its processor), or remove the image parts")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftsmith.data import images
 from draftsmith.data.conversations import cut_at_stop, to_answer, with_system
 from draftsmith.recipe import Recipe
 
@@ -34,13 +35,33 @@ def _load_done(path: Path) -> dict[str, dict]:
     return done
 
 
-@torch.no_grad()
 def _answer(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[str, str]]:
-    """(answer, finish reason: stop | length) per history, in one batched generate."""
+    """(answer, finish reason: stop | length) per history: text histories in one batched generate; a history with
+    images alone, through the target's processor (processors differ in how they batch images; one at a time, every
+    one reads them)."""
+    seeing = [i for i, h in enumerate(histories) if images.has_images(h)]
+    text = [i for i in range(len(histories)) if i not in seeing]
+    answers = dict(zip(text, _generate(model, tokenizer, [histories[i] for i in text], cfg) if text else []))
+    for i in seeing:
+        answers[i] = _generate(model, tokenizer, [histories[i]], cfg)[0]
+    return [answers[i] for i in range(len(histories))]
+
+
+@torch.no_grad()
+def _generate(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[str, str]]:
+    """One batched generate; the histories' images (if any) go through the target's processor with their text."""
     from draftsmith.data.conversations import render
     prompts = [render(tokenizer, h, generation_prompt=True) for h in histories]
     tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    sources = [s for h in histories for s in images.images_of(h)]
+    if sources:
+        processor = images.processor_of(tokenizer, "data.regen")
+        processor.tokenizer.padding_side = "left"
+        batch = processor(text=prompts, images=[images.load_image(s, "data.regen") for s in sources], padding=True,
+                          add_special_tokens=False, return_tensors="pt").to(model.device)
+        batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    else:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     sample = cfg.temperature > 0
     out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
                          temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None, top_k=None,

@@ -13,6 +13,7 @@ from pathlib import PurePath
 
 from tqdm import tqdm
 
+from draftsmith.data import images
 from draftsmith.data.conversations import cut_at_stop, to_answer, with_system
 from draftsmith.recipe import Recipe
 
@@ -89,7 +90,7 @@ def regenerate_conversation(client, model: str, conv: dict, cfg, system_prompt: 
             new.append(message)
             continue
         reply = client.chat.completions.create(
-            model=model, messages=with_system(new, system_prompt), max_tokens=cfg.max_new_tokens,
+            model=model, messages=with_system(images.for_server(new, conv["id"]), system_prompt), max_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, top_p=cfg.top_p, **({"stop": cfg.stop} if cfg.stop else {}), **extra)
         if not getattr(reply, "choices", None):
             raise ServerAnswerError(f"data.regen.server={cfg.server!r} answered turn {index} without choices: {str(reply)[:200]}")

@@ -122,6 +122,15 @@ def vlm_run(request, tmp_path_factory):
     return recipe, image_token, per_image
 
 
+def _trained(recipe):
+    """The pipeline's stages up to the head, each run unless current (a test picked alone still has its head)."""
+    from draftsmith import stages
+    for stage in ("data", "capture", "train"):
+        if not stages.is_current(stage, recipe):
+            stages.STAGE_FUNCS[stage](recipe)
+    return recipe
+
+
 def test_image_conversations_are_expanded_by_the_processor_and_never_under_the_loss_mask(vlm_run):
     from draftsmith.data.prepare import load_train, run_data
     recipe, image_token, per_image = vlm_run
@@ -203,8 +212,8 @@ def test_exports_serve_the_head_on_the_language_model_and_validate_back_exactly(
     from draftsmith.runtime.export import export_head
     from draftsmith.runtime.validate import run_validate
     from draftsmith.train.trainer import head_dir
-    recipe, _, _ = vlm_run
-    run_validate(recipe)  # the head trained above, validated where export looks
+    recipe = _trained(vlm_run[0])
+    run_validate(recipe)  # validated where export looks
     target = json.loads((Path(recipe.target.model) / "config.json").read_text())
     for engine in ("vllm", "sglang", "speculators"):
         export_head(str(head_dir(recipe)), engine, str(tmp_path / engine))
@@ -246,3 +255,17 @@ def test_image_prompts_are_answered_by_the_target_with_their_images(vlm_run, tmp
     dataset, _ = load_train(answering)
     row = dataset[dataset["id"].index("q0")]
     assert image_token in row["input_ids"] and sum(row["loss_mask"]) > 0
+
+
+def test_check_decodes_image_prompts_with_their_images(vlm_run, tmp_path):
+    """`check` on the export of a head trained on an image-text target: the served decoding reads each image prompt's
+    images, so its outputs equal the validation record's (no false `outputs` or `tau` finding)."""
+    from draftsmith.runtime.check import run_check
+    from draftsmith.runtime.export import export_head
+    from draftsmith.runtime.validate import run_validate
+    from draftsmith.train.trainer import head_dir
+    recipe = _trained(vlm_run[0])
+    run_validate(recipe)
+    export_head(str(head_dir(recipe)), "vllm", str(tmp_path / "vllm"))
+    result = run_check(str(tmp_path / "vllm"))  # the export's own record carries the recipe
+    assert result["findings"] == [] and result["decoding"]["num_prompts"] == recipe.validate.num_prompts

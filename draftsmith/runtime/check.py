@@ -275,7 +275,7 @@ def decode(recipe, export_dir: Path, depth: int, num_prompts: int) -> dict:
     from draftsmith.heads.loading import load_head
     from draftsmith.heads.registry import head_spec
     from draftsmith.runtime.generate import acceptance_stats, output_digest, speculative_generate
-    from draftsmith.runtime.loading import eos_ids, validation_prompts
+    from draftsmith.runtime.loading import eos_ids, prompt_image_inputs, validation_prompts
     from draftsmith.runtime.target import TargetRunner
     from draftsmith.runtime.compile import step_compiler
     from draftsmith.runtime.verify import SamplingConfig
@@ -285,14 +285,17 @@ def decode(recipe, export_dir: Path, depth: int, num_prompts: int) -> dict:
     model, tokenizer = load_target(recipe, device), load_tokenizer(recipe)
     head, _ = load_head(export_dir, model.config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     head = head.to(device=device, dtype=model.dtype)
-    prompts = [p.to(device) for p, _, _ in validation_prompts(recipe, tokenizer, num_prompts)]
+    chosen = validation_prompts(recipe, tokenizer, num_prompts)
+    prompts = [p.to(device) for p, _, _ in chosen]
+    images = [prompt_image_inputs(tokenizer, p, sources, model) for p, _, sources in chosen]  # image prompts: their images
     max_len = max(len(p) for p in prompts) + recipe.validate.max_new_tokens + 2 * depth + 8
     runner = TargetRunner(model, max_len, head.config.get("draftsmith", {}).get("layer_ids", []))
     drafter = head_spec(head.kind).drafter(head, max_len, TreeConfig(depth, 1, depth + 1, None),
                                             step_compiler("auto", device))
     eos, accepted, digests = eos_ids(model, tokenizer), [], []
-    for prompt in prompts:
-        out = speculative_generate(runner, drafter, prompt, recipe.validate.max_new_tokens, SamplingConfig(), eos)
+    for prompt, image in zip(prompts, images):
+        out = speculative_generate(runner, drafter, prompt, recipe.validate.max_new_tokens, SamplingConfig(), eos,
+                                   image_inputs=image)
         accepted += out.accept_lengths
         digests.append(output_digest(out.tokens))
     return {**acceptance_stats(accepted, depth), "depth": depth, "num_prompts": len(prompts), "output_sha256": digests,

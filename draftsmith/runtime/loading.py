@@ -116,6 +116,16 @@ def validation_prompts(recipe: Recipe, tokenizer, limit: int) -> list[tuple[torc
     return prompts
 
 
+def prompt_image_inputs(tokenizer, prompt: torch.Tensor, sources: list[str], model) -> dict | None:
+    """An image prompt's pixel inputs (and token types, where the model reads them) on the target's device and
+    dtype, for `TargetRunner.prefill` and `generate`; None for a text prompt."""
+    from draftsmith.data.images import pixel_inputs
+    if not sources:
+        return None
+    return {k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype)
+            for k, v in pixel_inputs(tokenizer, [sources], "a validation prompt", prompt[None].cpu()).items()}
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     ids = set()
     for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):

@@ -19,7 +19,8 @@ from draftsmith.recipe import Recipe
 from draftsmith.runtime.economics import depth_speedups, low_batch_screen
 from draftsmith.runtime.generate import acceptance_stats, output_digest, plain_generate, speculative_generate
 from draftsmith.runtime.loading import (
-    eos_ids, head_sha, load_target_and_head, non_finite_tensors, validation_drafter, validation_max_len, validation_prompts)
+    eos_ids, head_sha, load_target_and_head, non_finite_tensors, prompt_image_inputs, validation_drafter,
+    validation_max_len, validation_prompts)
 from draftsmith.runtime.target import TargetRunner
 from draftsmith.runtime.timing import draft_step_cost, verify_costs
 from draftsmith.runtime.verify import SamplingConfig
@@ -55,7 +56,7 @@ def run_validate(recipe: Recipe | None, head: str | None = None, target: str | N
     chosen = validation_prompts(recipe, tokenizer, cfg.num_prompts + cfg.num_calibration_prompts)
     heldout = [p.to(device) for p, _, _ in chosen]
     domains = [d for _, d, _ in chosen][:cfg.num_prompts]
-    image_inputs = [_image_inputs(tokenizer, p, sources, model) for p, _, sources in chosen][:cfg.num_prompts]
+    image_inputs = [prompt_image_inputs(tokenizer, p, sources, model) for p, _, sources in chosen][:cfg.num_prompts]
     prompts, calibration_prompts = heldout[:cfg.num_prompts], heldout[cfg.num_prompts:] or heldout[:cfg.num_prompts]
     max_len = validation_max_len(recipe, heldout)
     layer_ids = draft_head.config.get("draftsmith", {}).get("layer_ids", [])
@@ -204,16 +205,6 @@ def generate_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: se
     tokens = out[0, ids.shape[1]:].tolist()
     ends = [i for i, token in enumerate(tokens) if token in eos]
     return (tokens[:ends[0] + 1] if ends else tokens), seconds
-
-
-def _image_inputs(tokenizer, prompt: torch.Tensor, sources: list[str], model) -> dict | None:
-    """An image prompt's pixel inputs (and token types, where the model reads them) on the target's device and
-    dtype; None for a text prompt."""
-    from draftsmith.data.images import pixel_inputs
-    if not sources:
-        return None
-    return {k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype)
-            for k, v in pixel_inputs(tokenizer, [sources], "a validation prompt", prompt[None].cpu()).items()}
 
 
 def _measure(recipe: Recipe, model, runner, drafter, prompts, eos, domains: list[str] | None = None,

@@ -78,7 +78,7 @@ def init_recipe(target: str, kind: str, config_path: str | None = None, gpus: in
                          "--config PATH") from None
     text = config.get_text_config()
     layers, vocab = text.num_hidden_layers, text.vocab_size
-    layer_ids = spec.features.default_layer_ids(layers) if spec.features.feature == "layers" else []
+    layer_ids = above_deepstack(config, spec.features.default_layer_ids(layers) if spec.features.feature == "layers" else [])
     template = _template_of(target, config_path) or ""
     thinking = "enable_thinking" in template or "<think>" in template
     recurrent = LayerLayout(config).recurrent
@@ -105,6 +105,15 @@ def init_recipe(target: str, kind: str, config_path: str | None = None, gpus: in
     return out
 
 
+def above_deepstack(config, ids: list[int]) -> list[int]:
+    """Layer ids every engine reads the same features at: above the decoder layers whose outputs an image-text
+    target adds deepstack visual features to (Qwen3-VL: layers 0-2), which SGLang captures before the add and HF
+    after it. Ids too few to move (a tiny target) stay as they are."""
+    added = len(getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None) or [])
+    moved = list(dict.fromkeys(max(i, added + 1) for i in ids)) if added else ids
+    return moved if len(moved) == len(ids) else ids
+
+
 def _header(target, kind, config, layers, vocab, layer_ids, thinking, recurrent, gpus, gpu_memory_gb, launch, layout) -> list[str]:
     text = config.get_text_config()
     lines = [f"{kind} head for {target} ({text.model_type}, {layers} layers, hidden {text.hidden_size}, vocabulary {vocab}).",
@@ -112,6 +121,13 @@ def _header(target, kind, config, layers, vocab, layer_ids, thinking, recurrent,
     if layer_ids:
         lines.append(f"capture.layer_ids {layer_ids}: input-to-layer ids (HF hidden_states index), as vLLM and speculators "
                      f"read them; SGLang's export writes them minus one ({[i - 1 for i in layer_ids]}).")
+    if getattr(config, "vision_config", None) is not None:
+        deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+        lines.append("An image-text target: the head reads the language model's layers and drafts on plain 1D positions; the "
+                     "image reaches it through the target's features. Give image conversations as data.sources (OpenAI "
+                     "image_url parts, image parts or LLaVA <image> markers); the builtin prompt sets are text only."
+                     + (f" The lowest layer id is above the {deepstack} layers the vision tower adds deepstack features "
+                        "to (SGLang reads them before the add, HF after)." if deepstack else ""))
     lines.append("data: the thinking template is on: regenerate with thinking, as the model is served by default "
                  "(set enable_thinking: false only for a deployment that turns it off)." if thinking else
                  "data: the target's template has no thinking mode.")

@@ -106,3 +106,17 @@ def test_init_refuses_a_target_that_fits_no_layout(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"init: .*fits no layout of 1 x 24 GB; give more --gpus"):
         init_recipe("meta-llama/Llama-3.3-70B-Instruct", "eagle3", str(folder / "config.json"), gpus=1, gpu_memory_gb=24)
+
+
+def test_init_for_an_image_text_target_reads_layers_every_engine_agrees_on(tmp_path):
+    """Qwen3-VL-8B's config offline: the lowest EAGLE-3 id moves above the 3 layers its vision tower adds deepstack
+    features to ([4, 18, 33], not [2, 18, 33]); Qwen2.5-VL, without deepstack, keeps EAGLE-3's ids; the header says
+    how to give image data."""
+    from conftest import target_config
+    for model, expected in (("Qwen/Qwen3-VL-8B-Instruct", [4, 18, 33]), ("Qwen/Qwen2.5-VL-7B-Instruct", [2, 14, 25])):
+        folder = tmp_path / model.split("/")[1]
+        target_config(model).save_pretrained(folder)
+        text = init_recipe(model, "eagle3", str(folder / "config.json"), gpus=8, gpu_memory_gb=80)
+        assert recipe_mod.loads(text).capture.layer_ids == expected
+        assert "An image-text target" in text and ("deepstack" in text) == (expected[0] == 4)
+        assert all(len(line) <= 120 for line in text.splitlines())

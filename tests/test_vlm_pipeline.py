@@ -269,3 +269,23 @@ def test_check_decodes_image_prompts_with_their_images(vlm_run, tmp_path):
     export_head(str(head_dir(recipe)), "vllm", str(tmp_path / "vllm"))
     result = run_check(str(tmp_path / "vllm"))  # the export's own record carries the recipe
     assert result["findings"] == [] and result["decoding"]["num_prompts"] == recipe.validate.num_prompts
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle2"])
+def test_other_head_kinds_validate_exactly_on_image_prompts(vlm_run, tmp_path, kind):
+    """A block drafter (DFlash) and a head fed the final hidden state (EAGLE-2) on the same image data: the runtime's
+    image prefill serves every drafter, exact against `generate`."""
+    from draftsmith import stages
+    from draftsmith.runtime.validate import run_validate
+    recipe, _, _ = vlm_run
+    extra = (["head.kind=dflash", "head.block_size=4", "head.num_layers=1", "head.num_anchors=4", "validate.top_k=1"]
+             if kind == "dflash" else ["head.kind=eagle2", "capture.layer_ids=null"])
+    other = micro_recipe(tmp_path / "runs", recipe.target.model, "data.builtin=null",
+                         f'data.sources=[{{path: "{recipe.data.sources[0].path}"}}]', "data.heldout_fraction=0.3",
+                         "head.draft_vocab_size=128", "validate.num_prompts=6", "validate.max_new_tokens=12",
+                         "train.max_steps=4", *extra)
+    for stage in ("data", "capture", "train"):
+        stages.STAGE_FUNCS[stage](other)
+    summary = run_validate(other, out=str(tmp_path / "v"))
+    result = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert summary["exact_match"] and result["exact_vs_generate"] and set(result["per_domain"]) == {"image", "text"}

@@ -271,6 +271,7 @@ def test_check_decodes_image_prompts_with_their_images(vlm_run, tmp_path):
     assert result["findings"] == [] and result["decoding"]["num_prompts"] == recipe.validate.num_prompts
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", ["dflash", "eagle2"])
 def test_other_head_kinds_validate_exactly_on_image_prompts(vlm_run, tmp_path, kind):
     """A block drafter (DFlash) and a head fed the final hidden state (EAGLE-2) on the same image data: the runtime's

@@ -12,6 +12,7 @@ def _short(recipe):
     return recipe
 
 
+@pytest.mark.long
 def test_heads_are_timed_side_by_side_over_several_passes(micro_pipeline):
     recipe = _short(micro_pipeline)
     out = side_by_side({"first": recipe, "second": recipe}, repeats=3)

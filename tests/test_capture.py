@@ -207,6 +207,7 @@ def _overrides(recipe) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_9_mid_capture_then_resume(tmp_path, micro_target):
     """Killed three times at different points, then finished: every sample once, valid checksums, and
     every stored tensor bit-identical to an uninterrupted capture's (batches are planned once)."""

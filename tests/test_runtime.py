@@ -217,6 +217,7 @@ def test_batched_chain_sampling_follows_the_exact_rule():
         assert tv < 0.04, (size, tv)       # <= 20 outcomes, 6000 samples: noise alone gives ~0.02
 
 
+@pytest.mark.long
 def test_sampled_speculative_matches_plain_sampling_on_model(tiny):
     """Distribution of the first two generated tokens, speculative vs the target's own (exact) joint."""
     model, runner = tiny

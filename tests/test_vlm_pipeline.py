@@ -111,7 +111,7 @@ def _conversations(tmp_path, n: int = 40) -> list:
     return records
 
 
-@pytest.fixture(scope="module", params=["llava", "gemma3"])
+@pytest.fixture(scope="module", params=["llava", pytest.param("gemma3", marks=pytest.mark.long)])
 def vlm_run(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     image_token, per_image = FAMILIES[request.param](tmp / "target")

@@ -252,6 +252,7 @@ def _clean_capture(tmp_path, micro_target):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_process_capture_merges_one_manifest(tmp_path, micro_target):
     recipe = micro_recipe(tmp_path / "runs", micro_target, "data.max_conversations=40")
     run_data(recipe)

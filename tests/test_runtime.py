@@ -328,6 +328,7 @@ def test_greedy_verification_of_a_batch_matches_each_rows_own():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_compiled_fixed_shape_steps_trace_and_stay_exact(tiny):
     """The CUDA-graph path compiles the draft step and the fixed-size verify with torch.compile. Here
     dynamo traces the very same functions (eager backend, CPU): they must compile and stay exact."""

@@ -48,6 +48,7 @@ def _copy_run(captured, dst: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_and_resume_continues_the_same_loss_curve(captured, tmp_path):
     straight = _copy_run(captured, tmp_path / "a")
     args = ["data.max_conversations=80", "train.max_steps=12", "train.save_every=6"]
@@ -174,6 +175,7 @@ def _launch(config: str, recipe, *extra) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("config", ["cpu2.yaml", "zero2-cpu.yaml"])
 def test_two_process_first_step_matches_single_process(captured, tmp_path, config):
     """Rank 0's first micro-batch is the single-process run's first batch split in two: rank 0's

@@ -51,10 +51,9 @@ def batch_records(extractor: FeatureExtractor, rows: dict, dtype: str, tokenizer
     `tokenizer` carries (`load_tokenizer`)."""
     ids, attn = pad_batch(rows["input_ids"])
     device = next(extractor.model.parameters()).device
-    pixels = images.pixel_inputs(tokenizer, rows["images"], f"data rows {rows['id'][:3]}", ids) if "images" in rows else {}
-    dtype_of = extractor.model.dtype
-    aux, final = extractor(ids.to(device), attn.to(device), **{k: v.to(device, dtype_of if v.is_floating_point() else v.dtype)
-                                                               for k, v in pixels.items()})
+    pixels = images.pixel_inputs(tokenizer, rows["images"], f"data rows {rows['id'][:3]}", ids,
+                                 extractor.model) if "images" in rows else {}
+    aux, final = extractor(ids.to(device), attn.to(device), **pixels)
     aux, final = (None if t is None else t.cpu() for t in (aux, final))  # records are host tensors (collate pads on host)
     if not extractor.layer_ids:  # heads fed the final hidden: it is their feature, and the teacher where a loss is
         aux, final = final, None

@@ -227,10 +227,15 @@ def _probe(processor) -> dict:
     return processor._draftsmith_probe
 
 
-def pixel_inputs(tokenizer, rows: list[list[str]], where: str, ids_BT=None) -> dict:
+def on_model(inputs: dict, model) -> dict:
+    """Processor outputs on the model's device, floating ones (pixel values) in its dtype."""
+    return {k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def pixel_inputs(tokenizer, rows: list[list[str]], where: str, ids_BT=None, model=None) -> dict:
     """The image inputs of a batch (rows' images in order, as the model scatters them over its image tokens), from the
     target's own image processor, with the token types that mark the image tokens of `ids_BT` where the model reads
-    them; empty for a batch without images."""
+    them (on `model`'s device and dtype, given one); empty for a batch without images."""
     sources = [s for row in rows for s in row]
     if not sources:
         return {}
@@ -239,4 +244,4 @@ def pixel_inputs(tokenizer, rows: list[list[str]], where: str, ids_BT=None) -> d
     out = {k: made[k] for k in _probe(processor)["image_keys"]}
     for key in _probe(processor)["token_types"] if ids_BT is not None else ():
         out[key] = (ids_BT[..., None] == ids_BT.new_tensor(sorted(_image_token_ids(processor)))).any(-1).long()
-    return out
+    return out if model is None else on_model(out, model)

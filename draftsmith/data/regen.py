@@ -57,9 +57,8 @@ def _generate(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[
     if sources:
         processor = images.processor_of(tokenizer, "data.regen")
         processor.tokenizer.padding_side = "left"
-        batch = processor(text=prompts, images=[images.load_image(s, "data.regen") for s in sources], padding=True,
-                          add_special_tokens=False, return_tensors="pt").to(model.device)
-        batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        batch = images.on_model(processor(text=prompts, images=[images.load_image(s, "data.regen") for s in sources],
+                                          padding=True, add_special_tokens=False, return_tensors="pt"), model)
     else:
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     sample = cfg.temperature > 0

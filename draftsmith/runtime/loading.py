@@ -120,10 +120,7 @@ def prompt_image_inputs(tokenizer, prompt: torch.Tensor, sources: list[str], mod
     """An image prompt's pixel inputs (and token types, where the model reads them) on the target's device and
     dtype, for `TargetRunner.prefill` and `generate`; None for a text prompt."""
     from draftsmith.data.images import pixel_inputs
-    if not sources:
-        return None
-    return {k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype)
-            for k, v in pixel_inputs(tokenizer, [sources], "a validation prompt", prompt[None].cpu()).items()}
+    return pixel_inputs(tokenizer, [sources], "a validation prompt", prompt[None].cpu(), model) if sources else None
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -85,3 +85,24 @@ def test_data_stage_skips_bad_images_and_says_what_image_conversations_need(tmp_
                                              {"role": "assistant", "content": "ok"}]}) + "\n")
     with pytest.raises(DataError, match="holds images.*reads text only.*image-text model"):
         collect(recipe, SkipCounter())
+
+
+def test_a_processor_giving_inputs_draftsmith_does_not_carry_is_refused_by_name(tmp_path):
+    """A processor whose output holds per-token inputs other than token types marking the image tokens (PaliGemma's
+    prefix/suffix types, for one) would be captured and decoded without them: refused, naming the processor and key."""
+    from types import SimpleNamespace
+    from draftsmith.data.images import expand
+
+    class Processor:
+        draftsmith_image_token_id = 9
+
+        def __call__(self, text, images, add_special_tokens):
+            return {"input_ids": [[1, 9, 9, 2]], "attention_mask": [[1] * 4], "token_type_ids": [[0, 0, 1, 1]]}
+
+    tokenizer = SimpleNamespace(draftsmith_processor=Processor())
+    image = _png(tmp_path / "a.png")
+    with pytest.raises(ValueError, match=r"rec1: Processor also gives \['token_type_ids \(other than 1 on the image tokens\)'\]"):
+        expand(tokenizer, "x", [1, 5, 2], [0, 0, 1], [str(image)], "rec1")
+    text_only = SimpleNamespace(draftsmith_processor=None)
+    with pytest.raises(ValueError, match="rec2: the conversation holds images and the target reads text only"):
+        expand(text_only, "x", [1, 5, 2], [0, 0, 1], [str(image)], "rec2")

@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 RECIPE ?= recipes/demo/stdlib-code-eagle3.yaml
 REAL_STAMP := $(VENV)/.real-installed
 REAL_RECIPE ?= recipes/smollm2-135m-instruct/eagle3.yaml
+VLM_RECIPE ?= recipes/demo/stdlib-vlm-eagle3.yaml
 
-.PHONY: setup demo demo-real test test-long test-parallel test-real test-fast docs bench gpu-check clean
+.PHONY: setup demo demo-real demo-vlm test test-long test-parallel test-real test-fast docs bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -30,6 +31,10 @@ demo: $(STAMP)
 
 demo-real: $(REAL_STAMP)
 	$(BIN)/draftsmith run --recipe $(REAL_RECIPE)
+
+# the image-text demo: the embedded target with a vision tower, trained here to write the function an image begins
+demo-vlm: $(STAMP)
+	$(BIN)/draftsmith run --recipe $(VLM_RECIPE)
 
 # four tiers, all run by CI (.ci/run): everything but the tiers below; the whole pipeline on every architecture
 # (marker long); the multi-process sharded-target tests (marker parallel); the released SmolLM2 (marker real)

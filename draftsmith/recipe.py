@@ -39,6 +39,21 @@ class EmbeddedTargetConfig:
     corpus_mb: float = 6.0  # megabytes of stdlib source to train on
     chat_fraction: float = 0.3  # share of training sequences rendered as chat conversations
     seed: int = 0  # seed of its initialisation and data order
+    vision: EmbeddedVisionConfig | None = None  # a vision tower too: the image-text demo target (LLaVA layout)
+
+
+@dataclass
+class EmbeddedVisionConfig:
+    """The vision tower of the image-text demo target: a CLIP tower and a projector in front of the tiny Llama
+    (LLaVA's layout), trained with it to read images of stdlib source drawn one character a patch and to write
+    the function they begin (`draftsmith.targets.code_images`)."""
+    grid: int = 10  # characters a row and rows an image: grid x grid patches, each one image token
+    patch_size: int = 12  # pixels a side of a patch (one character cell)
+    hidden_size: int = 64  # the tower's width
+    intermediate_size: int = 128  # its MLP width
+    num_hidden_layers: int = 2  # its layers
+    num_attention_heads: int = 2  # its attention heads
+    image_fraction: float = 0.5  # share of the target's training steps on image conversations
 
 
 @dataclass
@@ -96,7 +111,8 @@ class RegenConfig:
 class DataConfig:
     """Conversations in, tokens plus assistant-only loss masks out."""
     sources: list[DataSource] = field(default_factory=list)  # the conversation sources, read in order
-    builtin: str | None = None  # stdlib: the demo's function-writing conversations
+    builtin: str | None = None  # stdlib: the demo's function-writing conversations; stdlib-images: half of them
+                                # asked with the function's start drawn in an image (needs target.embedded.vision)
     system_prompt: str | None = None  # a system turn put first where a conversation has none
     chat_template_kwargs: dict = field(default_factory=dict)  # to the chat template (enable_thinking), as served
     max_length: int = 2048  # tokens per sample
@@ -451,6 +467,11 @@ def loads(text: str, overrides: list[str] = (), source: str = "<string>") -> Rec
                               "repository that target.model names")
         recipe.target.model = f"{recipe.target.model.rstrip('/')}/{recipe.target.gguf_file}"
         recipe.target.gguf_file = None
+    if recipe.data.builtin not in (None, "stdlib", "stdlib-images"):
+        raise RecipeError(f"{source}: data.builtin={recipe.data.builtin!r}: expected 'stdlib' or 'stdlib-images'")
+    if recipe.data.builtin == "stdlib-images" and (recipe.target.embedded is None or recipe.target.embedded.vision is None):
+        raise RecipeError(f"{source}: data.builtin='stdlib-images' draws images the embedded image-text target reads: "
+                          "set target.embedded.vision (recipes/demo/stdlib-vlm-eagle3.yaml)")
     regen = recipe.data.regen
     if regen.server is not None and not regen.server.startswith(("http://", "https://")):
         raise RecipeError(f"{source}: data.regen.server={regen.server!r}: expected an http(s) base URL such as "

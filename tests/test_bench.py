@@ -1,5 +1,7 @@
 """The bench's side-by-side measurement of trained heads (`bench.heads.side_by_side`)."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +180,21 @@ def test_real_kinds_remeasure_some_rows_and_keep_the_others_in_order():
     assert list(_kinds("mtp,eagle2")) == ["mtp", "eagle2"]
     with pytest.raises(SystemExit, match="unknown.*'eagle9'"):
         _kinds("eagle9")
+
+
+def test_vlm_section_renders_tau_for_image_and_text_prompts_and_flags_a_missed_goal():
+    from draftsmith.bench.__main__ import _shortfalls
+    from draftsmith.bench.vlm import render_vlm
+    stats = {"tau": 2.8, "acceptance_per_depth": [0.7, 0.5], "speedup_vs_plain": 1.2, "speedup_vs_hf_generate": 1.1, "num_prompts": 12}
+    row = {"tau_image": 2.8, "tau_text": 3.1, "exact_vs_generate": "24/24",
+           "per_domain": {"image": stats, "text": {**stats, "tau": 3.1}},
+           "target": {"num_parameters": 2.1e6, "train_steps": 800, "train_seconds": 900.0,
+                      "image_reading": {"prompts": 32, "char_accuracy": 0.41, "first_line_exact": 0.12}}}
+    table = "\n".join(render_vlm({"date": "2026-12-07", "machine": "a CPU", "vlm": row}))
+    assert "| image | 12 | 2.80 | 0.70 0.50 | 1.20x | 1.10x |" in table and "| text | 12 | 3.10 |" in table
+    assert "0.41 of the drawn signature's characters" in table and "tau_image 2.80 (goal 2.5: met)" in table
+    measured = json.loads((Path(__file__).parent.parent / "BENCHMARKS.json").read_text())  # the other sections as kept
+    missed = "\n".join(_shortfalls({**measured, "vlm": {**row, "tau_image": 1.9}}))
+    assert "tau on image prompts 1.90 (goal 2.5)" in missed
+    assert "image prompts" not in "\n".join(_shortfalls({**measured, "vlm": row}))
+    assert render_vlm({"date": "x", "machine": "y"}) == []

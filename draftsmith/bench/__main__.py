@@ -14,7 +14,8 @@
 (drafting.py); 9. regeneration in process vs through a server (regen.py); 10. capture and decoding at
 tp 1 and tp 2 (parallel.py); 11. long samples (long_context.py); 12. validation on a windowed and a hybrid
 target (layer_types.py); 13. DFlash and EAGLE 3.1 + LK against EAGLE-3 at equal training wall-clock (heads.py);
-14. every head kind on the released SmolLM2-135M-Instruct (real_target.py).
+14. every head kind on the released SmolLM2-135M-Instruct (real_target.py); 15. the image-text demo: tau on image
+and on text prompts (vlm.py).
 `--sections` re-measures some of these and keeps the others from the existing BENCHMARKS.json.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from draftsmith.bench.long_context import bench_long_context, measure_settings, 
 from draftsmith.bench.parallel import bench_parallel, render_parallel
 from draftsmith.bench.pipeline import bench_capture, bench_layouts, bench_train_k, render_pipeline
 from draftsmith.bench.real_target import bench_real_target, render_real_target
+from draftsmith.bench.vlm import bench_vlm, render_vlm
 from draftsmith.bench.regen import bench_regen, render_regen
 
 
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                "layer_types": lambda: bench_layer_types(args.recipe, args.overrides),
                "real_target": lambda: bench_real_target(
                    [o for o in args.overrides if o.startswith("out_dir=")], args.real_seconds,
-                   *((_kinds(args.real_kinds), results.get("real_target")) if args.real_kinds else ()))}
+                   *((_kinds(args.real_kinds), results.get("real_target")) if args.real_kinds else ())),
+               "vlm": lambda: bench_vlm([o for o in args.overrides if o.startswith("out_dir=")])}
     for section in SECTIONS:
         if section in sections:
             results[section] = measure[section]()
@@ -116,16 +119,17 @@ def _kinds(names: str) -> dict:
 
 SECTIONS = ["capture", "train", "layouts", "runtime", "heads", "medusa", "mtp", "economics", "drafting", "regen", "parallel",
             "long_context", "layer_types", "drafters", "drafters_economics", "drafters_budget",
-            "drafters_budget_economics", "drafters_qwen3", "real_target"]
-STANDALONE = {"medusa", "mtp", "long_context", "real_target"}  # sections measured on recipes of their own
-NO_DEMO_RUN = {"medusa", "long_context", "real_target"}        # sections that need nothing of the demo recipe's run
+            "drafters_budget_economics", "drafters_qwen3", "real_target", "vlm"]
+STANDALONE = {"medusa", "mtp", "long_context", "real_target", "vlm"}  # sections measured on recipes of their own
+NO_DEMO_RUN = {"medusa", "long_context", "real_target", "vlm"}        # sections that need nothing of the demo recipe's run
 
 def render(r: dict) -> str:
     lines = ["# Benchmarks", "", f"Measured {r['date']} on {r['machine']}, recipe `{r['recipe']}` "
              f"(the demo target: hidden size {r['capture']['hidden_size']}). Regenerate with `make bench` "
              "(`--sections heads,runtime` re-measures some sections and keeps the others).", ""] + _provenance(r)
     return "\n".join(lines + render_pipeline(r) + render_heads(r) + render_economics(r) + render_drafting(r) +
-                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + render_drafters(r) + render_real_target(r) + _shortfalls(r))
+                     render_regen(r) + render_parallel(r) + render_long_context(r) + render_layer_types(r) + render_drafters(r) + render_real_target(r) + render_vlm(r) +
+                     _shortfalls(r))
 
 
 def _provenance(r: dict) -> list[str]:
@@ -190,6 +194,9 @@ def _shortfalls(r: dict) -> list[str]:
             out.append(f"- SmolLM2-135M-Instruct at {best[1]['budget_seconds']:.0f} s of training per kind: best tau on "
                        f"HumanEval {tau:.2f} ({best[0]}; goal 2.5), best acceptance at depth 1 {alpha:.2f} (goal 0.6), best "
                        f"speedup over HF generate {speed:.2f}x (goal 1.3x).")
+    vlm = r.get("vlm") or {}
+    if vlm and vlm["tau_image"] < 2.5:  # issue #52's goal on the image-text demo
+        out.append(f"- Image-text demo: tau on image prompts {vlm['tau_image']:.2f} (goal 2.5).")
     return ["## Goals not reached", ""] + out + [""] if out else []
 
 

@@ -13,7 +13,7 @@ from draftsmith import artifacts
 from draftsmith.data import conversations as conv
 from draftsmith.data import images
 from draftsmith.recipe import Recipe
-from draftsmith.targets import stdlib
+from draftsmith.targets import code_images, stdlib
 
 
 def data_dir(recipe: Recipe) -> Path:
@@ -35,14 +35,14 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
     conversation with images, unless the target reads them (`reads_images`: an image-text target, which also
     answers image prompts when regenerating)."""
     cfg = recipe.data
-    train, heldout, num_read = [], [], 0
-    if cfg.builtin == "stdlib":
+    train, heldout, num_read, drawn = [], [], 0, set()
+    if cfg.builtin is not None:  # stdlib, or stdlib-images (the recipe checked the target draws them)
         for module in stdlib.list_modules():
             items = stdlib.function_conversations(module)
+            if cfg.builtin == "stdlib-images":  # drawn below, once the conversations kept are known
+                drawn.update(c["id"] for c in items if code_images.is_image_item(c["id"]))
             num_read += len(items)
             (heldout if stdlib.is_heldout(module.name, cfg.heldout_fraction) else train).extend(items)
-    elif cfg.builtin is not None:
-        raise ValueError(f"data.builtin={cfg.builtin!r}: the only builtin set is 'stdlib'")
     for index, source in enumerate(cfg.sources):
         records = conv.read_records(source.path, cfg.bad_lines, skips, source)
         base_dir = Path(source.path).parent if Path(source.path).suffix in (".jsonl", ".json") else None
@@ -72,6 +72,9 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
         rng.shuffle(train)
         skips.reasons["over_max_conversations"] += len(train) - cfg.max_conversations
         train = train[:cfg.max_conversations]
+    if drawn:
+        train, heldout = ([code_images.as_image_conversation(c, recipe.target.embedded.vision) if c["id"] in drawn else c
+                           for c in items] for items in (train, heldout))
     return train, heldout, num_read
 
 

@@ -36,14 +36,13 @@ def _load_done(path: Path) -> dict[str, dict]:
 
 
 def _answer(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[str, str]]:
-    """(answer, finish reason: stop | length) per history: text histories in one batched generate; a history with
-    images alone, through the target's processor (processors differ in how they batch images; one at a time, every
-    one reads them)."""
+    """(answer, finish reason: stop | length) per history: the text histories in one batched generate, the histories
+    with images in another, through the target's processor."""
     seeing = [i for i, h in enumerate(histories) if images.has_images(h)]
-    text = [i for i in range(len(histories)) if i not in seeing]
-    answers = dict(zip(text, _generate(model, tokenizer, [histories[i] for i in text], cfg) if text else []))
-    for i in seeing:
-        answers[i] = _generate(model, tokenizer, [histories[i]], cfg)[0]
+    answers = {}
+    for group in (seeing, [i for i in range(len(histories)) if i not in seeing]):
+        if group:
+            answers.update(zip(group, _generate(model, tokenizer, [histories[i] for i in group], cfg)))
     return [answers[i] for i in range(len(histories))]
 
 
@@ -53,12 +52,12 @@ def _generate(model, tokenizer, histories: list[list[dict]], cfg) -> list[tuple[
     from draftsmith.data.conversations import render
     prompts = [render(tokenizer, h, generation_prompt=True) for h in histories]
     tokenizer.padding_side = "left"
-    sources = [s for h in histories for s in images.images_of(h)]
-    if sources:
+    if any(images.has_images(h) for h in histories):  # every history has them: each its own list (processors batch so)
         processor = images.processor_of(tokenizer, "data.regen")
         processor.tokenizer.padding_side = "left"
-        batch = images.on_model(processor(text=prompts, images=[images.load_image(s, "data.regen") for s in sources],
-                                          padding=True, add_special_tokens=False, return_tensors="pt"), model)
+        pictures = [[images.load_image(s, "data.regen") for s in images.images_of(h)] for h in histories]
+        batch = images.on_model(processor(text=prompts, images=pictures, padding=True, add_special_tokens=False,
+                                          return_tensors="pt"), model)
     else:
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     sample = cfg.temperature > 0

@@ -45,15 +45,16 @@ class EmbeddedTargetConfig:
 @dataclass
 class EmbeddedVisionConfig:
     """The vision tower of the image-text demo target: a CLIP tower and a projector in front of the tiny Llama
-    (LLaVA's layout), trained with it to read images of stdlib source drawn one character a patch and to write
-    the function they begin (`draftsmith.targets.code_images`)."""
-    grid: int = 10  # characters a row and rows an image: grid x grid patches, each one image token
-    patch_size: int = 12  # pixels a side of a patch (one character cell)
+    (LLaVA's layout), trained with it to read images of stdlib source drawn one token a patch and to write the
+    function they begin (`draftsmith.targets.code_images`)."""
+    grid: int = 8  # tokens a row and rows an image: grid x grid patches, each one image token
+    patch_size: int = 24  # pixels a side of a patch (one token's cell)
     hidden_size: int = 64  # the tower's width
     intermediate_size: int = 128  # its MLP width
     num_hidden_layers: int = 2  # its layers
     num_attention_heads: int = 2  # its attention heads
     image_fraction: float = 0.5  # share of the target's training steps on image conversations
+    lr: float = 1e-3  # peak learning rate of the tower and the projector (the language model's is the target's lr)
 
 
 @dataclass

@@ -22,20 +22,31 @@ def _inked(image, cfg: EmbeddedVisionConfig) -> list[list[bool]]:
             for r in range(cfg.grid)]
 
 
-def test_code_is_drawn_one_character_a_patch_row_by_row():
+def test_code_is_drawn_one_token_a_patch_row_by_row():
     from draftsmith.targets import code_images
+    from draftsmith.targets.embedded import _train_tokenizer
+    tokenizer = _train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300)
     cfg = EmbeddedVisionConfig(grid=4, patch_size=12)
-    image = code_images.render("ab c\nxyzwv\n" + "q" * 20, cfg)
+    text = "def add(a, b):\nreturn a" + " + b" * 10
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cells = code_images.layout(text, cfg, tokenizer)
+    line = next(i for i, t in enumerate(ids) if tokenizer.decode([t]).endswith("\n")) + 1  # tokens of the first line
+    # one token a cell in order; the token ending the line starts the next row; what does not fit is cut
+    assert [t for t in cells[:line] if t is not None] == ids[:line] and line <= cfg.grid * 2
+    row = -(-line // cfg.grid) * cfg.grid
+    assert all(t is None for t in cells[line:row]) and cells[row:] == ids[line:line + len(cells) - row]
+    image = code_images.render(text, cfg, tokenizer)
     assert image.size == (48, 48)
-    # a space leaves its cell blank; a newline starts a row; a full row wraps; what does not fit is cut
-    assert _inked(image, cfg) == [[True, True, False, True], [True, True, True, True], [True, False, False, False],
-                                  [True, True, True, True]]
+    inked = [cell for row in _inked(image, cfg) for cell in row]
+    assert inked == [t is not None for t in cells]
 
 
 def test_stdlib_images_asks_half_the_functions_with_their_start_drawn(tmp_path):
     from draftsmith.data import conversations as conv
     from draftsmith.data.prepare import collect
     from draftsmith.targets import code_images
+    from draftsmith.targets.embedded import _train_tokenizer
+    _train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300).save_pretrained(tmp_path / "t")  # the target's
     recipe = micro_recipe(tmp_path, tmp_path / "t", VISION, "data.builtin=stdlib-images", "data.max_conversations=400")
     train, heldout, _ = collect(recipe, conv.SkipCounter(), reads_images=True)
     drawn = [c for c in train + heldout if isinstance(c["messages"][0]["content"], list)]
@@ -49,6 +60,42 @@ def test_stdlib_images_asks_half_the_functions_with_their_start_drawn(tmp_path):
     # the answer is the function the image begins: its source starts with the drawn signature's name
     name = first["id"].split(":")[-3]
     assert f"def {name}(" in first["messages"][1]["content"]
+
+
+def test_the_reading_loss_teaches_the_tower_which_token_each_patch_holds():
+    """The per-patch loss alone, 250 steps on a few signatures: each patch's feature, scored against the
+    language model's input embeddings, comes to pick the token drawn in it (chance is 1 in the vocabulary)."""
+    from draftsmith.recipe import EmbeddedTargetConfig
+    from draftsmith.targets import embedded
+    torch.manual_seed(0)
+    cfg = EmbeddedTargetConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, batch_size=4, seq_len=64,
+                               vision=EmbeddedVisionConfig(grid=4, patch_size=8, hidden_size=32, intermediate_size=64,
+                                                           num_hidden_layers=1, num_attention_heads=2))
+    names = ["def add(a, b)", "def sub(x)", "def run(self)", "def get(key)", "def put(k, v)", "def pop(i)"]
+    tokenizer = embedded._train_tokenizer(names * 5, cfg.vocab_size, image_token=True)
+    model, processor = embedded._model(cfg, tokenizer)
+    conversations = [{"messages": [{"role": "user", "content": f"Write it.\nSignature: {n}\nDocstring: d"}, {"role": "assistant", "content": n}]}
+                     for n in names]
+    sample, gen = embedded._image_batches(processor, conversations, cfg), torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def accuracy(batch) -> float:
+        with torch.no_grad():
+            features = model.get_image_features(pixel_values=batch["pixel_values"])
+            features = torch.cat(list(getattr(features, "pooler_output", features)))
+            picked = (features @ model.get_input_embeddings().weight.T).argmax(-1)
+        cells = batch["cells"].reshape(-1)
+        return float((picked == cells)[cells != -100].float().mean())
+
+    held = sample(torch.Generator().manual_seed(1))
+    before = accuracy(held)
+    for _ in range(250):
+        batch = sample(gen)
+        embedded._reading_loss(model, batch["pixel_values"], batch["cells"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert before < 0.2 and accuracy(held) > 0.7
 
 
 def test_stdlib_images_needs_the_image_text_target(tmp_path):
@@ -67,21 +114,20 @@ def micro_vlm(tmp_path_factory):
     return recipe, report
 
 
-@pytest.mark.long
 def test_the_image_text_demo_target_is_a_llava_model_reading_one_token_a_patch(micro_vlm):
     from draftsmith.targets import code_images
     from draftsmith.targets.loading import load_processor, load_target, load_tokenizer
     recipe, report = micro_vlm
     config = json.loads(open(f"{recipe.target.model}/config.json").read())
     assert config["architectures"] == ["LlavaForConditionalGeneration"]
-    assert set(report["image_reading"]) == {"prompts", "char_accuracy", "first_line_exact"}
+    assert set(report["image_reading"]) == {"prompts", "char_accuracy", "first_line_exact", "distinct_first_lines"}
     assert 0 <= report["image_reading"]["char_accuracy"] <= 1 and report["train_steps"] == 8
     processor = load_processor(recipe.target.model)
     tokenizer = load_tokenizer(recipe)
     vision = recipe.target.embedded.vision
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
                                            tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[prompt], images=[code_images.render("def f(x)", vision)], return_tensors="pt", add_special_tokens=False)
+    inputs = processor(text=[prompt], images=[code_images.render("def f(x)", vision, tokenizer)], return_tensors="pt", add_special_tokens=False)
     assert int((inputs["input_ids"] == processor.draftsmith_image_token_id).sum()) == vision.grid ** 2
     model = load_target(recipe, torch.device("cpu"))
     with torch.no_grad():

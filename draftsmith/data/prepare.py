@@ -72,9 +72,11 @@ def collect(recipe: Recipe, skips: conv.SkipCounter, answering: bool = False,
         rng.shuffle(train)
         skips.reasons["over_max_conversations"] += len(train) - cfg.max_conversations
         train = train[:cfg.max_conversations]
-    if drawn:
-        train, heldout = ([code_images.as_image_conversation(c, recipe.target.embedded.vision) if c["id"] in drawn else c
-                           for c in items] for items in (train, heldout))
+    if drawn:  # drawn in the target's tokens, one a patch (its tokenizer is there: the target stage ran)
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+        train, heldout = ([code_images.as_image_conversation(c, recipe.target.embedded.vision, tokenizer) if c["id"] in drawn
+                           else c for c in items] for items in (train, heldout))
     return train, heldout, num_read
 
 

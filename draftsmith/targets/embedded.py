@@ -99,7 +99,8 @@ def _model(cfg: EmbeddedTargetConfig, tokenizer):
 
 def _image_batches(processor, conversations: list[dict], cfg: EmbeddedTargetConfig):
     """A sampler of training batches of image conversations: the function's start drawn, its source the answer
-    (under the loss: the answer and the text turns, never the image tokens or padding)."""
+    (under the loss: the answer and the text turns, never the image tokens or padding). `cells` holds the token
+    drawn in each patch (-100: an empty one), for the reading loss."""
     tokenizer = processor.tokenizer
     asked = [{"type": "image"}, {"type": "text", "text": code_images.IMAGE_PROMPT}]
 
@@ -107,12 +108,26 @@ def _image_batches(processor, conversations: list[dict], cfg: EmbeddedTargetConf
         picks = [conversations[i] for i in torch.randint(0, len(conversations), (cfg.batch_size,), generator=gen).tolist()]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": asked}, *c["messages"][1:]], tokenize=False)
                  for c in picks]
-        images = [code_images.render(code_images.drawn_text(c), cfg.vision) for c in picks]
+        images = [code_images.render(code_images.drawn_text(c), cfg.vision, tokenizer) for c in picks]
         batch = processor(text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt")
         ids, attention = batch["input_ids"][:, :cfg.seq_len], batch["attention_mask"][:, :cfg.seq_len]
         labels = ids.masked_fill((attention == 0) | (ids == tokenizer.image_token_id), -100)
-        return {"input_ids": ids, "attention_mask": attention, "pixel_values": batch["pixel_values"], "labels": labels}
+        cells = torch.tensor([[-100 if t is None else t for t in code_images.layout(code_images.drawn_text(c), cfg.vision, tokenizer)]
+                              for c in picks])
+        return {"input_ids": ids, "attention_mask": attention, "pixel_values": batch["pixel_values"], "labels": labels,
+                "cells": cells}
     return sample
+
+
+def _reading_loss(model, pixel_values: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """Each patch's image feature, scored against the language model's input embeddings, should pick the token drawn
+    in it: the tower is taught to read beside the language-model loss. Without it the tower's
+    features drift to the same for every image (the language model learns early to do without them)."""
+    features = model.get_image_features(pixel_values=pixel_values)
+    features = getattr(features, "pooler_output", features)
+    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features.reshape(-1, features.shape[-1])
+    logits = features @ model.get_input_embeddings().weight.T
+    return torch.nn.functional.cross_entropy(logits.float(), cells.reshape(-1), ignore_index=-100)
 
 
 def _encode_stream(tokenizer, items: list) -> torch.Tensor:
@@ -226,7 +241,13 @@ def train_on_corpus(model, tokenizer, cfg, desc: str = "target") -> tuple[int, f
 def _train_lm(model, stream: torch.Tensor, cfg, desc: str = "target", image_batch=None) -> tuple[int, float]:
     """Windows of the token stream; with `image_batch`, that share (`cfg.vision.image_fraction`) of the steps
     trains on a batch of image conversations instead."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # the vision tower and projector (an image-text target) at their own, lower rate: at the language model's, Adam's
+    # steps on their weak early gradients drift them into features that are the same for every image
+    seeing = [p for n, p in model.named_parameters() if "vision_tower" in n or "multi_modal_projector" in n]
+    rest = [p for n, p in model.named_parameters() if not ("vision_tower" in n or "multi_modal_projector" in n)]
+    scale = cfg.vision.lr / cfg.lr if seeing else 1.0
+    optimizer = torch.optim.AdamW([{"params": rest, "scale": 1.0}] + ([{"params": seeing, "scale": scale}] if seeing else []),
+                                  lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     start, step = time.perf_counter(), 0
     bar = tqdm(total=int(cfg.train_seconds), desc=desc, unit="s", mininterval=2.0, bar_format="{l_bar}{bar}| {n}/{total}s {postfix}")
@@ -237,7 +258,7 @@ def _train_lm(model, stream: torch.Tensor, cfg, desc: str = "target", image_batc
         progress = step / cfg.max_steps if cfg.max_steps else elapsed / cfg.train_seconds
         lr = cfg.lr * (min(1.0, (step + 1) / 50)) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         for group in optimizer.param_groups:
-            group["lr"] = max(lr, cfg.lr * 0.05)
+            group["lr"] = max(lr, cfg.lr * 0.05) * group["scale"]
         if image_batch is not None and torch.rand((), generator=gen).item() < cfg.vision.image_fraction:
             batch = image_batch(gen)
         else:
@@ -246,7 +267,10 @@ def _train_lm(model, stream: torch.Tensor, cfg, desc: str = "target", image_batc
             batch = {"input_ids": windows, "labels": windows}
         # fp32 on the CPU: CPUs without bf16 units emulate bf16 autocast ~12x slower, and fp32 keeps a
         # step-budgeted target the same on every machine
+        cells = batch.pop("cells", None)
         loss = model(**batch).loss
+        if cells is not None:
+            loss = loss + _reading_loss(model, batch["pixel_values"], cells)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -272,16 +296,18 @@ def greedy_sample(model, tokenizer, heldout_items: list, new_tokens: int = 96) -
 def image_reading(model, processor, conversations: list[dict], cfg: EmbeddedTargetConfig, num: int = 32) -> dict:
     """How well the image-text target reads: on held-out functions asked with an image, the share of the drawn
     characters its greedy answer's first line gives back in place (the signature it transcribes), and the share of
-    answers whose first line is the drawn signature exactly."""
+    answers whose first line is the drawn signature exactly, and the share of distinct first lines (a target that
+    ignores its images gives one answer to all)."""
     tokenizer, asked = processor.tokenizer, [{"type": "image"}, {"type": "text", "text": code_images.IMAGE_PROMPT}]
     picks = conversations[:num]
     drawn = [code_images.drawn_text(c) for c in picks]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": asked}], tokenize=False, add_generation_prompt=True)
     # one batch: the prompts differ only in their image, so they are all the same length (no padding)
-    inputs = processor(text=[prompt] * len(picks), images=[code_images.render(d, cfg.vision) for d in drawn],
+    inputs = processor(text=[prompt] * len(picks), images=[code_images.render(d, cfg.vision, tokenizer) for d in drawn],
                        add_special_tokens=False, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     chars = exact = total = 0
+    lines = set()
     for row, text in zip(out[:, inputs["input_ids"].shape[1]:], drawn):
         line = tokenizer.decode(row, skip_special_tokens=True).split("\n")[0].strip()
         # the drawn signature as far as the image holds it (grid x grid characters, rows broken at the grid's width)
@@ -289,4 +315,6 @@ def image_reading(model, processor, conversations: list[dict], cfg: EmbeddedTarg
         chars += sum(a == b for a, b in zip(line, visible))
         total += len(visible)
         exact += line.startswith(visible)
-    return {"prompts": len(picks), "char_accuracy": round(chars / max(total, 1), 3), "first_line_exact": round(exact / max(len(picks), 1), 3)}
+        lines.add(line)
+    return {"prompts": len(picks), "char_accuracy": round(chars / max(total, 1), 3),
+            "first_line_exact": round(exact / max(len(picks), 1), 3), "distinct_first_lines": round(len(lines) / max(len(picks), 1), 3)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "draftsmith"
-LAYERS = {"recipe": 1, "artifacts": 1, "targets": 2, "data": 3, "heads": 3, "train": 4, "runtime": 4,
+LAYERS = {"typed_yaml": 1, "recipe": 1, "artifacts": 1, "targets": 2, "data": 3, "heads": 3, "train": 4, "runtime": 4,
           "stages": 5, "cli": 5, "plan": 5, "scaffold": 5, "bench": 5}
 KINDS = {p.name for p in (PACKAGE / "heads").iterdir() if (p / "__init__.py").exists()}  # heads/<kind>/ packages;
 # the modules directly in heads/ (registry, drafting, tree, family, ttt, ...) are shared by every kind

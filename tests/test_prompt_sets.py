@@ -1,5 +1,7 @@
 """The builtin prompt sets (HumanEval from its package; code, math and chat built offline) and the data
 stage reading them as sources."""
+import ast
+
 import pytest
 
 from draftsmith.data import prompt_sets
@@ -17,14 +19,31 @@ def test_humaneval_is_read_from_its_package_and_held_out():
         prompt_sets.load("builtin:humaneval", "train")
 
 
-@pytest.mark.parametrize("name", ["code", "math", "chat"])
+@pytest.mark.parametrize("name", ["code", "code-complete", "math", "chat"])
 def test_built_sets_are_deterministic_and_their_splits_disjoint(name):
     train, test = prompt_sets.load(f"builtin:{name}", "train"), prompt_sets.load(f"builtin:{name}", "test")
     assert len(test) >= 40 and len(train) >= 3 * len(test) // 2
     assert not _texts(train) & _texts(test)
     assert prompt_sets.load(f"builtin:{name}", "test") == test
-    assert len(_texts(test)) == len(test) and {r["domain"] for r in train} == {name}
+    assert len(_texts(test)) == len(test) and {r["domain"] for r in train} == {name.split("-")[0]}
     assert all([m["role"] for m in r["messages"]] == ["user"] for r in train[:50])
+
+
+def test_code_complete_asks_as_humaneval_asks():
+    """In-domain prompts for HumanEval: the stdlib's functions cut after their docstring, in HumanEval's wording."""
+    humaneval = prompt_sets.load("builtin:humaneval", "test")[0]["messages"][0]["content"]
+    records = prompt_sets.load("builtin:code-complete", "train")
+    wording = humaneval.split("```python")[0]
+    for record in records[:200]:
+        text = record["messages"][0]["content"]
+        assert text.startswith(wording) and text.endswith("\n```"), text
+        code = text.split("```python\n")[1].removesuffix("\n```")
+        doc_line = next(line for line in code.splitlines()[1:] if line.strip() and line.lstrip()[0] in "\"'rRuU")
+        indent = doc_line[:len(doc_line) - len(doc_line.lstrip())]
+        function = ast.parse(f"{code}\n{indent}pass\n").body[0]  # a whole signature and docstring: only the body is left
+        assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and not function.decorator_list
+        assert ast.get_docstring(function) and len(function.body) == 2, code
+    assert len(records) >= 0.9 * len(prompt_sets.load("builtin:code", "train"))  # the functions `code` asks for
 
 
 def test_chat_test_topics_are_never_trained_on():

@@ -105,7 +105,7 @@ def test_prompt_only_data_is_answered_in_process_and_through_transformers_serve(
 def test_whole_pipeline_on_smollm2_is_exact_against_generate(gguf_cache, tmp_path):
     """The shipped recipe end to end with a short budget: GGUF target, builtin prompt sets answered by the
     target, capture, training, validation by domain (exact against `generate`), exports naming the GGUF's source."""
-    overrides = [f"out_dir={tmp_path}", 'data.sources=[{path: "builtin:code", max_records: 6}, {path: "builtin:math", '
+    overrides = [f"out_dir={tmp_path}", 'data.sources=[{path: "builtin:code-complete", max_records: 6}, {path: "builtin:math", '
                  'max_records: 6}, {path: "builtin:chat", max_records: 4}]', "data.regen.max_new_tokens=32",
                  "data.regen.batch_size=8", "train.max_steps=4", "train.epochs=1", "validate.num_prompts=3",
                  "validate.max_new_tokens=16"]

@@ -118,8 +118,15 @@ def test_plain_runtime_matches_huggingface_logits(tiny):
     model, runner = tiny
     prompt = torch.randint(0, 96, (12,))
     runner.reset()
-    logits, _, _ = runner.prefill(prompt)
-    torch.testing.assert_close(logits, model(prompt[None]).logits[0].float(), atol=1e-5, rtol=1e-5)
+    logits, _, _ = runner.prefill(prompt)  # the prefill makes its last position's logits only
+    reference = model(torch.cat([prompt, prompt[:3]])[None]).logits[0].float()
+    torch.testing.assert_close(logits, reference[len(prompt) - 1:len(prompt)], atol=1e-5, rtol=1e-5)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for i in range(3):  # decode steps attend over the filled slots only (FilledLayer), as generate's dynamic cache
+        step, _, _ = runner.forward(prompt[i:i + 1], torch.zeros(1, dtype=torch.long), one)
+        runner.commit(torch.zeros(1, dtype=torch.long))
+        torch.testing.assert_close(step, reference[len(prompt) + i:len(prompt) + i + 1], atol=1e-5, rtol=1e-5)
+    assert runner.trim and {layer.visible for layer in runner.filled} == {len(prompt) + 3}  # the last step's filled slots
 
 
 def test_eos_inside_accepted_block_stops_output(tiny):
@@ -334,6 +341,7 @@ def test_compiled_fixed_shape_steps_trace_and_stay_exact(tiny):
     dynamo traces the very same functions (eager backend, CPU): they must compile and stay exact."""
     model, plain_runner = tiny
     runner = TargetRunner(model, 256, LAYERS, compile_mode="eager")
+    assert not runner.trim and plain_runner.trim  # a compiled step attends over the whole length: one shape
     drafter = Eagle3Drafter(random_head(model, seed=5), 256, TreeConfig(3, 2, 6), step_compiler("eager", model.device))
     for seed in range(3):
         prompt = torch.randint(0, 96, (7 + seed,), generator=torch.Generator().manual_seed(seed))

@@ -5,10 +5,12 @@
   held out for evaluation, never trained on);
 - `code`: "write this function" requests from the Python standard library's documented functions (the
   demo's stdlib conversations without their answers; `test` holds the demo's held-out modules);
+- `code-complete`: the same functions asked as HumanEval asks, "complete this function" over the source from
+  `def` through the docstring (in-domain prompts for HumanEval, whose own prompts are never trained on);
 - `math`: grade-school word problems in the style of GSM8K, generated from templates;
 - `chat`: open questions (explain, compare, advise, summarise) over everyday and technical topics.
 
-`code`, `math` and `chat` have a `train` and a `test` split drawn apart (different seeds; chat's topics are
+`code`, `code-complete`, `math` and `chat` have a `train` and a `test` split drawn apart (different seeds; chat's topics are
 split so that no test topic is trained on). The target answers them during regeneration."""
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import random
 from pathlib import Path
 
 PREFIX = "builtin:"
-NAMES = ("humaneval", "code", "math", "chat")
+NAMES = ("humaneval", "code", "code-complete", "math", "chat")
 SIZES = {"train": 2000, "test": 200}
 
 NAMES_OF_PEOPLE = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal", "Keiko", "Liam",
@@ -91,7 +93,7 @@ def load(path: str, split: str = "train") -> list[dict]:
         if split != "test":
             raise ValueError(f"{path!r}: HumanEval is held out for evaluation (split 'test'); it is never trained on")
         return humaneval()
-    return {"code": code_requests, "math": math_problems, "chat": chat_questions}[name](split)
+    return {"code": code_requests, "code-complete": code_completions, "math": math_problems, "chat": chat_questions}[name](split)
 
 
 def _record(name: str, index: int, prompt: str, domain: str) -> dict:
@@ -107,8 +109,13 @@ def humaneval() -> list[dict]:
                          "HumanEval's prompts")
     with gzip.open(data, "rt", encoding="utf-8") as handle:
         problems = [json.loads(line) for line in handle if line.strip()]
-    return [_record("humaneval", i, "Complete the following Python function.\n\n```python\n"
-                    f"{p['prompt'].strip()}\n```", "humaneval") for i, p in enumerate(problems)]
+    return [_record("humaneval", i, complete_request(p["prompt"]), "humaneval") for i, p in enumerate(problems)]
+
+
+def complete_request(code: str) -> str:
+    """HumanEval's prompt (a signature and docstring) as a chat request, the one wording the `humaneval` set and the
+    `code-complete` set share."""
+    return f"Complete the following Python function.\n\n```python\n{code.strip()}\n```"
 
 
 def code_requests(split: str) -> list[dict]:
@@ -117,14 +124,24 @@ def code_requests(split: str) -> list[dict]:
     return [_record(f"code-{split}", i, text, "code") for i, text in enumerate(_code_prompts(split))]
 
 
+def code_completions(split: str) -> list[dict]:
+    """The stdlib's documented functions as HumanEval-shaped requests (`complete_request` over the source from `def`
+    through the docstring); the same split of modules as `code`."""
+    return [_record(f"code-complete-{split}", i, complete_request(stub), "code")
+            for i, stub in enumerate(_code_prompts(split, stubs=True))]
+
+
 @functools.lru_cache(maxsize=None)
-def _code_prompts(split: str) -> tuple[str, ...]:
-    """Parsing the whole stdlib takes seconds: once per split and process."""
+def _code_prompts(split: str, stubs: bool = False) -> tuple[str, ...]:
+    """Parsing the whole stdlib takes seconds: once per split and process. `stubs`: HumanEval-shaped function stubs
+    (`stdlib.function_stubs`) instead of the "write this function" requests."""
     from draftsmith.targets import stdlib
     by_split = {"train": {}, "test": {}}  # dicts: each request once, in a fixed order
     for module in stdlib.list_modules():
-        for c in stdlib.function_conversations(module):
-            by_split["test" if stdlib.is_heldout(module.name, 0.1) else "train"][c["messages"][0]["content"]] = None
+        texts = stdlib.function_stubs(module) if stubs else [c["messages"][0]["content"]
+                                                             for c in stdlib.function_conversations(module)]
+        for text in texts:
+            by_split["test" if stdlib.is_heldout(module.name, 0.1) else "train"][text] = None
     prompts = [p for p in by_split[split] if split == "test" or p not in by_split["test"]]
     random.Random(f"code-{split}").shuffle(prompts)
     return tuple(prompts)

@@ -39,7 +39,8 @@ class BatchRunner(TargetRunner):
         super().reset()
         self.lengths = [0] * self.batch_size
 
-    def _decode(self, tokens_BN, positions_BN, masks):
+    def _decode(self, tokens_BN, positions_BN, masks, last: bool = False):
+        """`last` is not used: right-padded rows end at different positions, so every position's logits are made."""
         self.extractor._captured.clear()
         out = self.extractor.decoder(input_ids=tokens_BN, position_ids=positions_BN, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})

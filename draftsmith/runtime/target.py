@@ -51,6 +51,20 @@ def recurrent_mixers(decoder, cache_types: list[str]) -> dict[int, torch.nn.Modu
     return mixers
 
 
+class FilledLayer(StaticLayer):
+    """transformers' `StaticLayer`, whose attention reads only the first `visible` slots (the committed prefix and
+    the block being run) where the runner sets it: a decode step then scores the keys it can see, not the whole
+    preallocated length, as `generate`'s dynamic cache does. Left unset (fixed shapes for CUDA graphs) it is a
+    `StaticLayer`."""
+    visible: int | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.visible is None:
+            return keys, values
+        return keys[:, :, :self.visible], values[:, :, :self.visible]
+
+
 def layer_states(layer) -> tuple[dict, dict]:
     return tuple({i: s.clone() for i, s in store.items() if s is not None}
                  for store in (layer.conv_states, layer.recurrent_states))
@@ -95,7 +109,7 @@ class LayerLayout:
         layers = []
         for cache_type, kwargs in zip(self.cache_types, self.cache_kwargs):
             if cache_type in ATTENTION_TYPES:
-                layers.append(StaticLayer(max_cache_len=max_len))
+                layers.append(FilledLayer(max_cache_len=max_len))
             elif cache_type in ("hybrid", "hybrid_sliding"):
                 layers.append(STATIC_LAYER_TYPE_MAPPING["hybrid"](max_cache_len=max_len, **{
                     k: v for k, v in kwargs.items() if k != "sliding_window"}))
@@ -152,6 +166,10 @@ class TargetRunner:
         # fixed-size forwards (plain decode N=1, tree verify N=num_nodes) become CUDA graphs on a GPU;
         # the prefill has a different length per prompt and stays eager
         self.decode_fixed = maybe_compile(self._decode, compile_mode, self.device)
+        # eager forwards attend over the filled slots only (`FilledLayer`); CUDA graphs need one shape, the whole
+        # length; so do layers that keep attention KV beside a recurrent state (transformers' hybrid cache layers)
+        self.filled = [layer for layer in self.cache.layers if isinstance(layer, FilledLayer)]
+        self.trim = self.decode_fixed == self._decode and not any(t.startswith("hybrid") for t in self.layout.cache_types)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -162,11 +180,14 @@ class TargetRunner:
         """Row b sees its committed [0, lengths_b) and its own tree block at [scratch, scratch + N),
         whose keys sit at positions lengths_b + depth."""
         B, N, _ = tree_mask_BNN.shape
-        slots = torch.arange(self.max_len, device=self.device)
-        allowed = (slots[None, None, :] < lengths_B[:, None, None]).expand(B, N, self.max_len).clone()
+        width = scratch + N if self.trim else self.max_len  # the slots attention reads (`FilledLayer`)
+        for layer in self.filled:
+            layer.visible = width if self.trim else None
+        slots = torch.arange(width, device=self.device)
+        allowed = (slots[None, None, :] < lengths_B[:, None, None]).expand(B, N, width).clone()
         allowed[:, :, scratch:scratch + N] = tree_mask_BNN
         q_pos = lengths_B[:, None] + depth_BN
-        k_pos = slots[None, :].expand(B, self.max_len).clone()
+        k_pos = slots[None, :].expand(B, width).clone()
         k_pos[:, scratch:scratch + N] = q_pos
         return self.layout.masks(allowed, q_pos, k_pos, self.dtype)
 
@@ -176,14 +197,16 @@ class TargetRunner:
                 layer.cumulative_length.fill_(length)
         self.length = length
 
-    def _decode(self, tokens_1N, positions_1N, masks, embeds_1ND=None, extra: dict | None = None):
+    def _decode(self, tokens_1N, positions_1N, masks, embeds_1ND=None, extra: dict | None = None, last: bool = False):
+        """(logits fp32, features, final hidden) of the forward; `last`: logits of the last position only (a prefill,
+        whose next token is all decoding reads: the lm_head over a whole prompt is as costly as a decode step)."""
         self.extractor._captured.clear()
         tokens = {"input_ids": tokens_1N} if embeds_1ND is None else {"inputs_embeds": embeds_1ND, **(extra or {})}
         out = self.extractor.decoder(**tokens, position_ids=positions_1N, attention_mask=masks,
                                      use_cache=True, **{self.cache_kwarg: self.cache})
         final = out.last_hidden_state[0]
         aux = self.extractor.aux()
-        return self.lm_head(final).float(), final if aux is None else aux[0], final
+        return self.lm_head(final[-1:] if last else final).float(), final if aux is None else aux[0], final
 
     def _refuse_trees(self, mask_BNN: torch.Tensor) -> None:
         """Recurrent layers advance over one sequence: each row must be a chain (node j sees every node
@@ -272,12 +295,12 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens_N: torch.Tensor, depth_N: torch.Tensor, tree_mask_NN: torch.Tensor, fixed: bool = True,
-                embeds_ND: torch.Tensor | None = None, rope_positions=None, extra: dict | None = None):
+                embeds_ND: torch.Tensor | None = None, rope_positions=None, extra: dict | None = None, last: bool = False):
         """Run tokens at positions length+depth; returns (logits_NV fp32, features_NK, final_NH).
         Their KV sits at [length, length+N) until `commit` keeps the accepted ones. `embeds_ND`: the tokens'
         input embeddings as the model made them (an image prompt's), instead of the ids'; `rope_positions`: the
         rotary positions the model made for them (Qwen-VL's 3 x 1 x N), instead of length+depth; `extra`: what else the
-        model gives its decoder with them (Qwen3-VL's deepstack features)."""
+        model gives its decoder with them (Qwen3-VL's deepstack features); `last`: logits of the last token only."""
         if self.length + len(tokens_N) > self.max_len:
             raise ValueError(f"sequence of {self.length + len(tokens_N)} tokens exceeds the runtime's max_len={self.max_len}")
         self._set_length(self.length)
@@ -285,27 +308,27 @@ class TargetRunner:
         positions = (self.length + self.rope_offset + depth_N)[None] if rope_positions is None else rope_positions
         return self._run(tokens_N[None], positions, tree_mask_NN[None],
                          self._masks(tree_mask_NN[None], lengths, self.length, depth_N[None]), fixed,
-                         None if embeds_ND is None else embeds_ND[None], extra)
+                         None if embeds_ND is None else embeds_ND[None], extra, last)
 
-    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool, embeds_BND=None, extra=None):
+    def _run(self, tokens_BN, positions_BN, tree_mask_BNN, masks, fixed: bool, embeds_BND=None, extra=None, last=False):
         """The target's forward; on a recurrent target the states are kept before it and, in a verification
         (`fixed`) of several positions, what each recurrent mixer reads (run eagerly: hooks keep Python state)."""
         if embeds_BND is not None:
             if self.recurrent:
                 raise ValueError("image prompts on a target with recurrent layers are not supported yet (issue #52)")
-            return self._decode(tokens_BN, positions_BN, masks, embeds_BND, extra)
+            return self._decode(tokens_BN, positions_BN, masks, embeds_BND, extra, last)
         if not self.recurrent:
-            return (self.decode_fixed if fixed else self._decode)(tokens_BN, positions_BN, masks)
+            return self.decode_fixed(tokens_BN, positions_BN, masks) if fixed else self._decode(tokens_BN, positions_BN, masks, last=last)
         self._refuse_trees(tree_mask_BNN)
         self._take_snapshot()
         self._chain_length = tokens_BN.shape[1]
         if not fixed or tokens_BN.shape[1] == 1:
-            return self._decode(tokens_BN, positions_BN, masks)
+            return self._decode(tokens_BN, positions_BN, masks, last=last)
         with self._recording_mixer_inputs():
             return self._decode(tokens_BN, positions_BN, masks)
 
     def prefill(self, prompt_T: torch.Tensor, image_inputs: dict | None = None):
-        """The prompt's forward; an image prompt (`image_inputs`: its pixel values, as the target's image processor
+        """The prompt's forward: (logits of its last position [1, V], features, final hidden); an image prompt (`image_inputs`: its pixel values, as the target's image processor
         made them) enters with the embeddings the model's own code builds from the ids and the images."""
         T = len(prompt_T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
@@ -313,7 +336,8 @@ class TargetRunner:
             causal = causal | same_image(image_inputs["token_type_ids"][0].to(self.device))
         embeds, positions, extra = language_model_inputs(self.model, prompt_T[None], image_inputs) if image_inputs else (None, None, None)
         logits, aux, final = self.forward(prompt_T, torch.arange(T, device=self.device), causal, fixed=False,
-                                          embeds_ND=None if embeds is None else embeds[0], rope_positions=positions, extra=extra)
+                                          embeds_ND=None if embeds is None else embeds[0], rope_positions=positions, extra=extra,
+                                          last=True)
         self.rope_offset = 0 if positions is None else int(positions.max()) + 1 - T
         self.commit(torch.arange(T, device=self.device))
         return logits, aux, final
@@ -331,6 +355,9 @@ class TargetRunner:
             self._keep_states([len(node_idx_A)])
         src = self.length + node_idx_A
         dst = torch.arange(self.length, self.length + len(node_idx_A), device=self.device)
+        if self.device.type == "cpu" and torch.equal(src, dst):  # a plain step or a chain's prefix: the KV is in place
+            self._set_length(self.length + len(node_idx_A))      # (on CUDA the copy is cheaper than the host sync)
+            return
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is None:
                 continue

@@ -60,6 +60,20 @@ def _functions(module: Module):
             yield node, textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list):node.end_lineno]))
 
 
+def function_stubs(module: Module, max_chars: int = 1600) -> list[str]:
+    """The documented functions of `function_conversations` as HumanEval's prompts are: the source from `def` through
+    the whole docstring, no body (dedented, decorators dropped)."""
+    stubs = []
+    for node, body in _functions(module):
+        doc = ast.get_docstring(node)
+        if not doc or node.name.startswith("__") or not 80 <= len(body) <= max_chars:
+            continue
+        decorators = len(node.decorator_list)  # `_functions` starts the source at the first decorator's line
+        lines = body.splitlines()
+        stubs.append("\n".join(lines[decorators:node.body[0].end_lineno - node.lineno + decorators + 1]))
+    return stubs
+
+
 def function_sources(module: Module, max_chars: int = 2400) -> list[str]:
     """Every top-level or method function's source, dedented: the unit the demo is about."""
     return [body + "\n" for _, body in _functions(module) if 40 <= len(body) <= max_chars]

@@ -10,8 +10,8 @@
 - `math`: grade-school word problems in the style of GSM8K, generated from templates;
 - `chat`: open questions (explain, compare, advise, summarise) over everyday and technical topics.
 
-`code`, `code-complete`, `math` and `chat` have a `train` and a `test` split drawn apart (different seeds; chat's topics are
-split so that no test topic is trained on). The target answers them during regeneration."""
+`code`, `code-complete`, `math` and `chat` have a `train` and a `test` split drawn apart (different seeds; chat's
+topics are split so that no test topic is trained on). The target answers them during regeneration."""
 from __future__ import annotations
 
 import functools
@@ -93,7 +93,8 @@ def load(path: str, split: str = "train") -> list[dict]:
         if split != "test":
             raise ValueError(f"{path!r}: HumanEval is held out for evaluation (split 'test'); it is never trained on")
         return humaneval()
-    return {"code": code_requests, "code-complete": code_completions, "math": math_problems, "chat": chat_questions}[name](split)
+    sets = {"code": code_requests, "code-complete": code_completions, "math": math_problems, "chat": chat_questions}
+    return sets[name](split)
 
 
 def _record(name: str, index: int, prompt: str, domain: str) -> dict:

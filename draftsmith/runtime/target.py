@@ -169,7 +169,8 @@ class TargetRunner:
         # eager forwards attend over the filled slots only (`FilledLayer`); CUDA graphs need one shape, the whole
         # length; so do layers that keep attention KV beside a recurrent state (transformers' hybrid cache layers)
         self.filled = [layer for layer in self.cache.layers if isinstance(layer, FilledLayer)]
-        self.trim = self.decode_fixed == self._decode and not any(t.startswith("hybrid") for t in self.layout.cache_types)
+        hybrid = any(t.startswith("hybrid") for t in self.layout.cache_types)
+        self.trim = self.decode_fixed == self._decode and not hybrid
 
     def reset(self) -> None:
         self.cache.reset()
@@ -318,7 +319,9 @@ class TargetRunner:
                 raise ValueError("image prompts on a target with recurrent layers are not supported yet (issue #52)")
             return self._decode(tokens_BN, positions_BN, masks, embeds_BND, extra, last)
         if not self.recurrent:
-            return self.decode_fixed(tokens_BN, positions_BN, masks) if fixed else self._decode(tokens_BN, positions_BN, masks, last=last)
+            if fixed:
+                return self.decode_fixed(tokens_BN, positions_BN, masks)
+            return self._decode(tokens_BN, positions_BN, masks, last=last)
         self._refuse_trees(tree_mask_BNN)
         self._take_snapshot()
         self._chain_length = tokens_BN.shape[1]
@@ -328,8 +331,9 @@ class TargetRunner:
             return self._decode(tokens_BN, positions_BN, masks)
 
     def prefill(self, prompt_T: torch.Tensor, image_inputs: dict | None = None):
-        """The prompt's forward: (logits of its last position [1, V], features, final hidden); an image prompt (`image_inputs`: its pixel values, as the target's image processor
-        made them) enters with the embeddings the model's own code builds from the ids and the images."""
+        """The prompt's forward: (logits of its last position [1, V], features, final hidden). An image prompt
+        (`image_inputs`: its pixel values, as the target's image processor made them) enters with the embeddings the
+        model's own code builds from the ids and the images."""
         T = len(prompt_T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         if image_inputs and "token_type_ids" in image_inputs:  # Gemma 3: each image's tokens see each other both ways

@@ -198,3 +198,21 @@ def test_vlm_section_renders_tau_for_image_and_text_prompts_and_flags_a_missed_g
     assert "tau on image prompts 1.90 (goal 2.5)" in missed
     assert "image prompts" not in "\n".join(_shortfalls({**measured, "vlm": row}))
     assert render_vlm({"date": "x", "machine": "y"}) == []
+
+
+def test_real_recipe_section_renders_every_domain_and_flags_the_missed_goals():
+    from draftsmith.bench.__main__ import _shortfalls
+    from draftsmith.bench.real_target import render_real_recipe
+    stats = {"tau": 1.5, "acceptance_per_depth": [0.4, 0.5], "speedup_vs_plain": 1.1, "speedup_vs_hf_generate": 1.05, "num_prompts": 8}
+    row = {**stats, "num_prompts": 24, "epochs": 4.0, "exact_vs_generate": "24/24", "plain_vs_generate": 0.96,
+           "per_domain": {"humaneval": {**stats, "tau": 1.36}, "math": {**stats, "tau": 2.17}}}
+    table = "\n".join(render_real_recipe({"measured": {"real_recipe": "2026-12-07, a CPU"}, "real_recipe": row}))
+    assert "| all | 1.50 | 0.40 0.50 | 1.10x | 1.05x |" in table and "| humaneval | 1.36 |" in table
+    assert "4 epochs" in table and "0.96x HF `generate`" in table and "24/24" in table
+    measured = json.loads((Path(__file__).parent.parent / "BENCHMARKS.json").read_text())  # the other sections as kept
+    missed = "\n".join(_shortfalls({**measured, "real_recipe": row}))
+    assert "tau on HumanEval 1.36 (goal 2.5)" in missed and "plain decoding in the runtime 0.96x" in missed
+    met = {**row, "acceptance_per_depth": [0.7, 0.8], "speedup_vs_hf_generate": 1.4,
+           "per_domain": {"humaneval": {**stats, "tau": 2.6}}}
+    assert "shipped recipe" not in "\n".join(_shortfalls({**measured, "real_recipe": met}))
+    assert render_real_recipe({}) == []

@@ -181,9 +181,11 @@ class TargetRunner:
         """Row b sees its committed [0, lengths_b) and its own tree block at [scratch, scratch + N),
         whose keys sit at positions lengths_b + depth."""
         B, N, _ = tree_mask_BNN.shape
-        width = scratch + N if self.trim else self.max_len  # the slots attention reads (`FilledLayer`)
-        for layer in self.filled:
-            layer.visible = width if self.trim else None
+        width = self.max_len
+        if self.trim:  # attention reads the filled slots only (`FilledLayer`)
+            width = scratch + N
+            for layer in self.filled:
+                layer.visible = width
         slots = torch.arange(width, device=self.device)
         allowed = (slots[None, None, :] < lengths_B[:, None, None]).expand(B, N, width).clone()
         allowed[:, :, scratch:scratch + N] = tree_mask_BNN
